@@ -1,0 +1,371 @@
+"""GRPO / DAPO / Dr.GRPO losses as pure tensor functions (no Lightning, no model).
+
+Shapes: N completions in a (micro-)batch, T padded completion length, V vocabulary, G samples per
+prompt, B prompts (N = B*G for a full rollout batch). `mask` is (N, T), 1/True on real completion
+tokens and 0/False on padding; bool, int or float masks are all accepted.
+
+The objective follows TRL 0.21's `GRPOTrainer` (what the QeRL code runs), with DAPO's clip-higher,
+token-level loss, dynamic-sampling filter and soft overlong penalty, Dr.GRPO's constant normaliser,
+and TIS/MIS importance weights for the rollout/training mismatch that AQN and the vLLM FP4 kernel
+introduce.
+
+Micro-batch accumulation contract (the training step sums gradients over k micro-batches, then
+steps once): `aggregate_loss` is written so that *summing* the micro-batch losses gives the loss of
+the whole rollout batch, as long as the whole-batch counts are passed:
+
+    mode      per micro-batch                                   pass               sum == full batch
+    dapo      sum(valid loss) / num_tokens_total                num_tokens_total   exactly
+    dr_grpo   sum(valid loss) / (num_sequences_total * L_max)   num_sequences_total exactly
+    grpo      sum_i mean_t(loss_i) / num_sequences_total        num_sequences_total exactly
+    bnpo      sum(valid loss) / local valid tokens              (nothing)          no: divide by k
+
+Without the totals every mode falls back to a local mean, and the caller must divide by k (what
+TRL's gradient accumulation does); that equals the full-batch loss only when micro-batches are
+equally sized (sequences for grpo/dr_grpo, tokens for dapo). bnpo is the local token mean by
+definition: k micro-batches give the mean of k token-means, which weights a token in a short
+micro-batch more than one in a long micro-batch; dapo exists to remove that bias. Under DDP
+gradients are averaged over W ranks, so pass totals divided by W (as TRL does).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Literal
+
+import torch
+from torch import Tensor
+
+Aggregation = Literal["grpo", "bnpo", "dapo", "dr_grpo"]
+
+
+# ------------------------------------------------------------------------------------------------
+# Masked reductions
+
+
+def masked_sum(x: Tensor, mask: Tensor, dim: int | None = None) -> Tensor:
+    """Sum of `x` where `mask` is set. Uses `where`, not `x * mask`, so inf/NaN in padding can't leak."""
+    masked = torch.where(mask.bool(), x, torch.zeros((), dtype=x.dtype, device=x.device))
+    return masked.sum() if dim is None else masked.sum(dim)
+
+
+def masked_mean(x: Tensor, mask: Tensor, dim: int | None = None) -> Tensor:
+    """Mean of `x` over positions where `mask` is set (over everything, or along `dim`).
+
+    An empty mask gives 0, not NaN: the count is clamped to at least 1.
+    """
+    count = mask.bool().sum() if dim is None else mask.bool().sum(dim)
+    return masked_sum(x, mask, dim) / count.clamp(min=1).to(x.dtype)
+
+
+# ------------------------------------------------------------------------------------------------
+# Rewards -> advantages
+
+
+def group_advantages(
+    rewards: Tensor,
+    group_size: int,
+    scale: Literal["group", "batch", "none"] = "group",
+    eps: float = 1e-4,
+) -> Tensor:
+    """GRPO advantages: reward minus its group's mean, optionally divided by a std.
+
+    rewards: (B*G,) laid out group-contiguous (prompt 0's G samples first, then prompt 1's, ...).
+    scale:
+      "group" - divide by the group's std (GRPO, Eq. 4 of the QeRL paper; TRL `scale_rewards="group"`).
+      "batch" - divide by the std of all B*G rewards (TRL `scale_rewards="batch"`): keeps the scale
+                of easy/hard prompts comparable instead of inflating near-constant groups.
+      "none"  - no division (Dr.GRPO: the std term biases towards low-variance prompts).
+    The std is the *unbiased* one (torch's default, Bessel-corrected), following TRL, and the
+    denominator is std + eps (TRL's 1e-4), so an all-equal group gets advantage exactly 0, never NaN.
+    A std over a single element is undefined; it is taken as 0 (G=1 or one reward in total).
+    Returns float (B*G,).
+    """
+    if rewards.dim() != 1 or rewards.numel() % group_size != 0:
+        shape = tuple(rewards.shape)
+        raise ValueError(f"rewards must be 1-D with a multiple of {group_size=} elements, got {shape}")
+    rewards = rewards.float()
+    grouped = rewards.view(-1, group_size)  # (B, G)
+    advantages = (grouped - grouped.mean(dim=1, keepdim=True)).view(-1)  # (B*G,)
+    if scale == "none":
+        return advantages
+    if scale == "group":
+        std = grouped.std(dim=1, keepdim=True) if group_size > 1 else torch.zeros_like(grouped)  # (B, G)
+        std = std.expand_as(grouped).reshape(-1)  # (B*G,)
+    elif scale == "batch":
+        std = rewards.std() if rewards.numel() > 1 else rewards.new_zeros(())  # ()
+    else:
+        raise ValueError(f"unknown advantage scale {scale!r}; expected 'group', 'batch' or 'none'")
+    return advantages / (std + eps)
+
+
+def groups_with_signal(rewards: Tensor, group_size: int, eps: float = 1e-6) -> Tensor:
+    """bool (B,): True for groups whose rewards are not all equal (max - min > eps).
+
+    An all-equal group has zero advantage for every sample, so it contributes no policy gradient;
+    DAPO's dynamic sampling drops these groups and refills the batch with ones that carry signal.
+    """
+    grouped = rewards.float().view(-1, group_size)  # (B, G)
+    return (grouped.amax(dim=1) - grouped.amin(dim=1)) > eps
+
+
+def overlong_penalty(
+    completion_lengths: Tensor,
+    max_completion_length: int,
+    buffer_length: int,
+    penalty_factor: float = 1.0,
+) -> Tensor:
+    """DAPO soft overlong punishment, added to the task reward. Returns float, same shape as lengths.
+
+    0 while len <= max - buffer; then linear from 0 down to -penalty_factor across the buffer;
+    -penalty_factor at (or beyond) max. A hard cutoff would punish a 4095-token correct answer
+    as hard as a rambling one; the ramp tells the policy "shorter is better" before it hits the wall.
+    """
+    if not 0 < buffer_length <= max_completion_length:
+        raise ValueError(f"need 0 < {buffer_length=} <= {max_completion_length=}")
+    overshoot = completion_lengths.float() - (max_completion_length - buffer_length)  # (...)
+    return -penalty_factor * (overshoot / buffer_length).clamp(0.0, 1.0)
+
+
+# ------------------------------------------------------------------------------------------------
+# Per-token terms
+
+
+def k3_kl(logprobs: Tensor, ref_logprobs: Tensor) -> Tensor:
+    """Per-token k3 estimator of KL(pi || pi_ref): exp(ref - lp) - (ref - lp) - 1.   (N, T)
+
+    Unbiased for samples from pi, and >= 0 everywhere (e^x >= 1 + x), unlike the plain log-ratio.
+    Gradients flow through `logprobs` only; `ref_logprobs` should come from a no-grad forward.
+    """
+    log_ratio = ref_logprobs - logprobs  # (N, T)
+    return torch.exp(log_ratio) - log_ratio - 1.0
+
+
+def truncated_is_weights(
+    old_logprobs: Tensor,
+    sampler_logprobs: Tensor,
+    mask: Tensor,
+    level: Literal["token", "sequence"] = "token",
+    mode: Literal["truncate", "mask"] = "truncate",
+    cap: float = 2.0,
+) -> Tensor:
+    """Importance weights pi_train_old / pi_sampler correcting for rollouts drawn by a different engine.
+
+    old_logprobs: (N, T) trainer's log-probs of the sampled tokens at rollout time (pi_theta_old).
+    sampler_logprobs: (N, T) log-probs reported by the rollout engine (vLLM, FP4 kernel, AQN noise).
+    level "token":    w_t = exp(old_t - sampler_t) per token.
+    level "sequence": w = exp(sum over the sequence's valid tokens of (old - sampler)), the true
+                      ratio of sequence probabilities, broadcast to every token of that sequence.
+    mode "truncate" (TIS): min(w, cap).  mode "mask" (MIS): w where w <= cap, else 0 (drop the token
+    or sequence rather than trust a badly mismatched sample).
+    Both modes are evaluated in log space, exp(min(log w, log cap)), so a long sequence's summed
+    log-ratio cannot overflow to inf; this is exact, not an approximation.
+    Returns detached float32 (N, T) weights, 0 on padding.
+    """
+    valid = mask.bool()
+    zero = torch.zeros((), dtype=torch.float32, device=old_logprobs.device)
+    log_ratio = torch.where(valid, old_logprobs.detach().float() - sampler_logprobs.float(), zero)  # (N, T)
+    if level == "sequence":
+        log_ratio = log_ratio.sum(dim=-1, keepdim=True).expand_as(log_ratio)  # (N, 1) -> (N, T)
+    elif level != "token":
+        raise ValueError(f"unknown IS level {level!r}; expected 'token' or 'sequence'")
+    log_cap = math.log(cap)
+    weights = torch.exp(log_ratio.clamp(max=log_cap))  # (N, T), == min(w, cap)
+    if mode == "mask":
+        weights = torch.where(log_ratio > log_cap, zero, weights)
+    elif mode != "truncate":
+        raise ValueError(f"unknown IS mode {mode!r}; expected 'truncate' or 'mask'")
+    return torch.where(valid, weights, zero)
+
+
+# ------------------------------------------------------------------------------------------------
+# Aggregation and the clipped surrogate
+
+
+def aggregate_loss(
+    per_token: Tensor,
+    mask: Tensor,
+    mode: Aggregation,
+    max_completion_length: int | None = None,
+    num_sequences_total: int | None = None,
+    num_tokens_total: int | None = None,
+) -> Tensor:
+    """Reduce an (N, T) per-token loss to a scalar. See the module docstring for micro-batching.
+
+    grpo:    mean over each sequence's valid tokens, then sum / num_sequences_total (default N:
+             mean over sequences). Long answers get less weight per token (the GRPO length bias).
+    bnpo:    sum over all valid tokens / valid tokens in *this* micro-batch (TRL "bnpo", the QeRL
+             scripts' "DAPO").
+    dapo:    sum over all valid tokens / num_tokens_total, the valid tokens of the whole rollout
+             batch (falls back to the local count), so micro-batches sum to the full token mean.
+    dr_grpo: sum over all valid tokens / (num_sequences_total (default N) * max_completion_length),
+             a constant normaliser, so no length bias at all. max_completion_length is required.
+    """
+    valid = mask.bool()
+    num_sequences = num_sequences_total if num_sequences_total is not None else per_token.size(0)
+    if mode == "grpo":
+        per_sequence = masked_mean(per_token, valid, dim=-1)  # (N,)
+        return per_sequence.sum() / num_sequences
+    total = masked_sum(per_token, valid)  # ()
+    if mode == "bnpo":
+        return total / valid.sum().clamp(min=1).to(total.dtype)
+    if mode == "dapo":
+        if num_tokens_total is not None:
+            return total / max(num_tokens_total, 1)
+        return total / valid.sum().clamp(min=1).to(total.dtype)  # no .item(): avoids a GPU sync
+    if mode == "dr_grpo":
+        if max_completion_length is None:
+            raise ValueError("dr_grpo aggregation needs max_completion_length")
+        return total / (num_sequences * max_completion_length)
+    raise ValueError(f"unknown aggregation {mode!r}; expected 'grpo', 'bnpo', 'dapo' or 'dr_grpo'")
+
+
+def policy_loss(
+    logprobs: Tensor,
+    old_logprobs: Tensor | None,
+    advantages: Tensor,
+    mask: Tensor,
+    *,
+    clip_low: float = 0.2,
+    clip_high: float = 0.2,
+    aggregation: Aggregation = "grpo",
+    is_weights: Tensor | None = None,
+    ref_logprobs: Tensor | None = None,
+    kl_coef: float = 0.0,
+    max_completion_length: int | None = None,
+    num_tokens_total: int | None = None,
+    num_sequences_total: int | None = None,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """PPO/GRPO clipped surrogate with DAPO's decoupled clip range.
+
+    logprobs: (N, T) current policy log-probs of the sampled tokens (with grad).
+    old_logprobs: (N, T) pi_theta_old at rollout time; None means on-policy (one update per
+        rollout), i.e. logprobs.detach(), so the ratio is 1 but its gradient is grad(logprobs).
+    advantages: (N,) per sequence, or (N, T) per token.
+    is_weights: optional (N, T) detached TIS/MIS weights (`truncated_is_weights`), multiplied
+        into the surrogate (not into the KL term), as TRL does.
+
+    per-token loss = -min(r * A, clip(r, 1 - clip_low, 1 + clip_high) * A) [* w] [+ kl_coef * k3],
+    with r = exp(logprobs - old_logprobs), then `aggregate_loss(..., aggregation, ...)`.
+    A clipped token has a constant surrogate, hence zero gradient: the update can't push the ratio
+    further outside the trust region. clip_high > clip_low (DAPO: 0.28 vs 0.2) leaves more room
+    to raise low-probability tokens, which counters entropy collapse.
+
+    Metrics (detached float32 scalars over valid tokens of this micro-batch):
+      clip_ratio/low  fraction with r < 1 - clip_low and A < 0 (the lower clip is active),
+      clip_ratio/high fraction with r > 1 + clip_high and A > 0, clip_ratio/region either,
+      kl              mean k3 (logged whenever ref_logprobs is given, even at kl_coef 0; else 0),
+      ratio/mean      mean r.
+    """
+    if old_logprobs is None:
+        old_logprobs = logprobs.detach()
+    if advantages.dim() == 1:
+        advantages = advantages.unsqueeze(-1)  # (N, 1), broadcasts over T
+    advantages = advantages.to(logprobs.dtype)
+
+    ratio = torch.exp(logprobs - old_logprobs)  # (N, T)
+    clipped_ratio = ratio.clamp(1.0 - clip_low, 1.0 + clip_high)  # (N, T)
+    per_token = -torch.min(ratio * advantages, clipped_ratio * advantages)  # (N, T)
+    if is_weights is not None:
+        per_token = per_token * is_weights.detach().to(per_token.dtype)
+
+    kl = None
+    if ref_logprobs is not None:
+        kl = k3_kl(logprobs, ref_logprobs)  # (N, T)
+        if kl_coef > 0.0:
+            per_token = per_token + kl_coef * kl
+
+    loss = aggregate_loss(
+        per_token,
+        mask,
+        aggregation,
+        max_completion_length=max_completion_length,
+        num_sequences_total=num_sequences_total,
+        num_tokens_total=num_tokens_total,
+    )
+
+    with torch.no_grad():
+        ratio_d = ratio.detach().float()
+        low = (ratio_d < 1.0 - clip_low) & (advantages < 0)  # (N, T)
+        high = (ratio_d > 1.0 + clip_high) & (advantages > 0)  # (N, T)
+        metrics = {
+            "clip_ratio/low": masked_mean(low.float(), mask),
+            "clip_ratio/high": masked_mean(high.float(), mask),
+            "clip_ratio/region": masked_mean((low | high).float(), mask),
+            "kl": masked_mean(kl.detach().float(), mask) if kl is not None else ratio_d.new_zeros(()),
+            "ratio/mean": masked_mean(ratio_d, mask),
+        }
+    return loss, metrics
+
+
+# ------------------------------------------------------------------------------------------------
+# Logits -> log-probs / entropy, in fp32 without a full-vocab fp32 copy
+
+
+def entropy_from_logits(logits: Tensor, chunk_size: int = 512) -> Tensor:
+    """Per-position entropy of softmax(logits): (..., V) -> (...), float32.
+
+    H = logsumexp(z) - sum_v softmax(z)_v * z_v, computed in fp32 (bf16 would lose the small
+    differences between near-equal logits). Rows are processed `chunk_size` positions at a time,
+    so the fp32 temporaries are (chunk_size, V) rather than a full fp32 copy of the logits
+    (at V = 152k, one 4k-token sequence is 2.5 GB in fp32). Usually called under no_grad for
+    logging; it stays differentiable, but then autograd keeps each chunk's fp32 temporaries.
+    Logits of -inf (masked vocabulary) contribute 0 rather than NaN.
+    """
+    vocab = logits.size(-1)
+    flat = logits.reshape(-1, vocab)  # (R, V)
+    compute_dtype = torch.promote_types(logits.dtype, torch.float32)
+    entropies = []
+    for chunk in flat.split(chunk_size, dim=0):
+        z = chunk.to(compute_dtype)  # (r, V)
+        lse = torch.logsumexp(z, dim=-1, keepdim=True)  # (r, 1)
+        probs = torch.exp(z - lse)  # (r, V)
+        # zero the -inf logits *before* multiplying: 0 * -inf is NaN, in the value and in its gradient
+        z_finite = torch.where(probs > 0, z, torch.zeros((), dtype=z.dtype, device=z.device))
+        entropies.append(lse.squeeze(-1) - (probs * z_finite).sum(dim=-1))  # (r,)
+    return torch.cat(entropies).view(logits.shape[:-1])
+
+
+class _SelectiveLogSoftmax(torch.autograd.Function):
+    """log_softmax(logits)[ids] computed and differentiated chunk by chunk in fp32.
+
+    Autograd through `logits.float().log_softmax()` would save an fp32 (R, V) tensor for backward,
+    twice the bf16 logits. Here only the logits (already alive) and the (R,) logsumexp are saved;
+    backward recomputes softmax one chunk at a time: d logp(id) / d z_v = 1[v = id] - softmax(z)_v.
+    """
+
+    @staticmethod
+    def forward(ctx, logits: Tensor, ids: Tensor, chunk_size: int) -> Tensor:
+        flat = logits.reshape(-1, logits.size(-1))  # (R, V)
+        flat_ids = ids.reshape(-1, 1)  # (R, 1)
+        compute_dtype = torch.promote_types(logits.dtype, torch.float32)
+        chunks = flat.split(chunk_size)
+        lse = torch.cat([torch.logsumexp(c.to(compute_dtype), dim=-1) for c in chunks])  # (R,)
+        picked = flat.gather(-1, flat_ids).squeeze(-1).to(compute_dtype)  # (R,)
+        ctx.save_for_backward(logits, ids, lse)
+        ctx.chunk_size = chunk_size
+        return (picked - lse).view(ids.shape)
+
+    @staticmethod
+    def backward(ctx, grad_out: Tensor) -> tuple[Tensor, None, None]:
+        logits, ids, lse = ctx.saved_tensors
+        flat = logits.reshape(-1, logits.size(-1))  # (R, V)
+        flat_ids = ids.reshape(-1, 1)  # (R, 1)
+        grad_flat = grad_out.reshape(-1, 1).to(lse.dtype)  # (R, 1)
+        grad_logits = torch.empty_like(flat)  # (R, V), logits' dtype
+        for start in range(0, flat.size(0), ctx.chunk_size):
+            rows = slice(start, start + ctx.chunk_size)
+            probs = torch.exp(flat[rows].to(lse.dtype) - lse[rows, None])  # (r, V)
+            chunk_grad = -probs * grad_flat[rows]  # (r, V)
+            chunk_grad.scatter_add_(-1, flat_ids[rows], grad_flat[rows])
+            grad_logits[rows] = chunk_grad.to(grad_logits.dtype)
+        return grad_logits.view_as(logits), None, None
+
+
+def selective_log_softmax(logits: Tensor, ids: Tensor, chunk_size: int = 512) -> Tensor:
+    """Log-probs of the given token ids: (..., V), (...) -> (...) float32 (float64 for float64 input).
+
+    Exactly log_softmax(logits.float(), -1).gather(-1, ids), but the fp32 work is done `chunk_size`
+    positions at a time and backward recomputes softmax per chunk, so neither pass materialises an
+    fp32 (..., V) tensor. Divide the logits by the sampling temperature before calling.
+    """
+    return _SelectiveLogSoftmax.apply(logits, ids, chunk_size)
