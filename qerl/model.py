@@ -1,0 +1,204 @@
+"""Load a causal LM, freeze it, quantize its decoder linears to NVFP4 layer by layer, add LoRA.
+
+Sources (``name_or_path``):
+- ``tiny-qwen2`` / ``tiny-llama``: random tiny models built in code (quickstart, tests);
+- a local directory or a Hugging Face id (``transformers.from_pretrained``);
+- a ``.gguf`` file (transformers dequantizes it on load; needs the ``gguf`` package).
+
+The full model is first materialized on the CPU in 16 bits. Quantization then walks the decoder
+layers one at a time: move layer i to the target device, replace q/k/v/o/gate/up/down weights with
+``NVFP4WeightTensor`` there. So the accelerator never holds more than one 16-bit layer plus the
+already-quantized ones. Embeddings, norms and lm_head stay 16-bit (as in QeRL and vLLM's NVFP4).
+q/k/v share one per-tensor scale and gate/up another, because vLLM fuses them into one GEMM with a
+single global scale (research/vllm.md §1.2): the export is then lossless.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import warnings
+from dataclasses import dataclass, field
+from typing import Literal
+
+import torch
+import torch.nn as nn
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+
+from qerl.nvfp4 import NVFP4WeightTensor, global_scale_for
+from qerl.tiny import TINY_MODEL_NAMES, build_tiny_model, build_tiny_tokenizer
+
+log = logging.getLogger(__name__)
+
+Quantization = Literal["bf16", "nvfp4"]
+DECODER_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+# Projections that vLLM fuses into one GEMM and that must therefore share a per-tensor scale.
+SHARED_SCALE_GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
+NOISY_NORM_NAMES = ("input_layernorm", "post_attention_layernorm")
+
+
+def _parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    table = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp32": torch.float32,
+             "float32": torch.float32, "fp16": torch.float16, "float16": torch.float16}
+    if dtype not in table:
+        raise ValueError(f"unknown dtype {dtype!r}; use one of {sorted(table)}")
+    return table[dtype]
+
+
+def load_base_model(
+    name_or_path: str, dtype: str | torch.dtype = "bf16", seed: int = 0
+) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    """Load model and tokenizer on the CPU, in ``dtype``, without quantizing anything yet."""
+    dtype = _parse_dtype(dtype)
+    if name_or_path in TINY_MODEL_NAMES:
+        arch = name_or_path.split("-", 1)[1]
+        return build_tiny_model(arch, seed=seed, dtype=dtype), build_tiny_tokenizer()
+    if name_or_path.endswith(".gguf") and not os.path.isfile(name_or_path):
+        raise FileNotFoundError(f"GGUF file not found: {name_or_path}")
+    try:
+        if name_or_path.endswith(".gguf"):
+            folder, gguf_file = os.path.split(os.path.abspath(name_or_path))
+            tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=gguf_file)
+            model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=gguf_file, dtype=dtype)
+        else:
+            tokenizer = AutoTokenizer.from_pretrained(name_or_path)
+            model = AutoModelForCausalLM.from_pretrained(name_or_path, dtype=dtype)
+    except (OSError, ValueError) as err:
+        first_line = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise ValueError(
+            f"cannot load model {name_or_path!r}: not a tiny model name ({', '.join(TINY_MODEL_NAMES)}), "
+            f"a local model directory, a .gguf file, or a reachable Hugging Face id ({first_line})"
+        ) from err
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    tokenizer.padding_side = "left"
+    return model.eval(), tokenizer
+
+
+def decoder_layers(model: nn.Module) -> nn.ModuleList:
+    """The transformer blocks of a HF causal LM (``model.model.layers`` for Qwen2/Llama-style)."""
+    inner = getattr(model, "model", model)
+    layers = getattr(inner, "layers", None)
+    if layers is None:
+        raise ValueError(f"{type(model).__name__} has no `.model.layers`; only decoder-only HF LMs are supported")
+    return layers
+
+
+@torch.no_grad()
+def quantize_decoder_linears(model: nn.Module, device: str | torch.device = "cpu") -> int:
+    """Replace every decoder linear weight by an ``NVFP4WeightTensor``, one layer at a time on
+    ``device``; the rest of the model is moved to ``device`` afterwards. Returns the count."""
+    count = 0
+    for layer in decoder_layers(model):
+        layer.to(device)
+        linears = {name.rsplit(".", 1)[-1]: mod for name, mod in layer.named_modules()
+                   if name.rsplit(".", 1)[-1] in DECODER_LINEARS and isinstance(mod, nn.Linear)}
+        shared = {}
+        for group in SHARED_SCALE_GROUPS:
+            if all(g in linears for g in group):
+                scale = global_scale_for(*(linears[g].weight for g in group))
+                shared.update({g: scale for g in group})
+        for short, mod in linears.items():
+            qweight = NVFP4WeightTensor.from_float(mod.weight.data, shared.get(short))
+            mod.weight = nn.Parameter(qweight, requires_grad=False)
+            count += 1
+    model.to(device)
+    return count
+
+
+def base_weight_bytes(model: nn.Module) -> dict[str, int]:
+    """Bytes held by the frozen base: decoder linears (packed when NVFP4) and everything else."""
+    linear, other = 0, 0
+    seen = set()
+    for name, p in model.named_parameters():
+        if "lora_" in name or id(p) in seen:
+            continue
+        seen.add(id(p))
+        if isinstance(p, NVFP4WeightTensor):
+            linear += p.packed_nbytes()
+        elif name.rsplit(".", 2)[-2] in DECODER_LINEARS or ".base_layer." in name:
+            linear += p.numel() * p.element_size()
+        else:
+            other += p.numel() * p.element_size()
+    return {"decoder_linears": linear, "other": other, "total": linear + other}
+
+
+def count_parameters(model: nn.Module) -> dict[str, int]:
+    """Trainable and total parameter counts (an NVFP4 weight counts its logical N*K elements)."""
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    total = sum(p.numel() for p in model.parameters())
+    return {"trainable": trainable, "total": total}
+
+
+@dataclass
+class LoraSettings:
+    """LoRA adapter settings (peft). Adapters stay unmerged: merging into FP4 is lossy.
+
+    Args:
+        rank: adapter rank r (the paper uses 32).
+        alpha: scaling numerator; the update is scaled by alpha / rank.
+        dropout: dropout on the adapter input (0 in QeRL).
+        target_modules: module-name suffixes that get adapters.
+        trainable_norms: also train the RMSNorm scales before attention and MLP, as the official
+            QeRL scripts do (``--ln True``); they are saved with the adapter and synced to the engine.
+    """
+
+    rank: int = 32
+    alpha: int = 32
+    dropout: float = 0.0
+    target_modules: list[str] = field(default_factory=lambda: list(DECODER_LINEARS))
+    trainable_norms: bool = False
+
+
+def add_lora(model: PreTrainedModel, settings: LoraSettings) -> nn.Module:
+    """Freeze the base and wrap the target linears with peft LoRA (NVFP4 linears become peft's
+    ``TorchaoLoraLinear``, since our weight subclasses ``TorchAOBaseTensor``)."""
+    from peft import LoraConfig, get_peft_model
+
+    for p in model.parameters():
+        p.requires_grad_(False)
+    # Never call peft's prepare_model_for_kbit_training: it reassigns `.data` of every 16-bit
+    # param to fp32, which corrupts wrapper-subclass weights (research/torchao_nvfp4.md §5.3).
+    config = LoraConfig(
+        r=settings.rank, lora_alpha=settings.alpha, lora_dropout=settings.dropout,
+        target_modules=list(settings.target_modules), bias="none", task_type="CAUSAL_LM",
+    )
+    with warnings.catch_warnings():
+        # peft warns that merge() cannot re-quantize our subclass: intended, we never merge into FP4.
+        warnings.filterwarnings("ignore", message=".*get_apply_tensor_subclass.*")
+        peft_model = get_peft_model(model, config)
+    if settings.trainable_norms:
+        for name, p in peft_model.named_parameters():
+            if name.rsplit(".", 2)[-2] in NOISY_NORM_NAMES:
+                p.requires_grad_(True)
+    return peft_model
+
+
+def load_policy(
+    name_or_path: str,
+    quantization: Quantization = "nvfp4",
+    lora: LoraSettings | None = None,
+    dtype: str | torch.dtype = "bf16",
+    device: str | torch.device = "cpu",
+    seed: int = 0,
+) -> tuple[nn.Module, PreTrainedTokenizerBase]:
+    """Everything in one call: load, quantize (``nvfp4``) or keep 16-bit (``bf16``), add LoRA."""
+    model, tokenizer = load_base_model(name_or_path, dtype=dtype, seed=seed)
+    if quantization == "nvfp4":
+        n = quantize_decoder_linears(model, device)
+        log.info("quantized %d decoder linears to NVFP4", n)
+    elif quantization == "bf16":
+        model.to(device)
+    else:
+        raise ValueError(f"unknown quantization {quantization!r}; use 'bf16' or 'nvfp4'")
+    if lora is not None:
+        model = add_lora(model, lora)
+    sizes, counts = base_weight_bytes(model), count_parameters(model)
+    log.info(
+        "base weights %.1f MB (decoder linears %.1f MB); trainable params %d of %d (%.2f%%)",
+        sizes["total"] / 1e6, sizes["decoder_linears"] / 1e6, counts["trainable"], counts["total"],
+        100 * counts["trainable"] / max(counts["total"], 1),
+    )
+    return model, tokenizer

@@ -1,0 +1,193 @@
+"""NVFP4 weights: a torchao-style tensor subclass and the linear that runs on it.
+
+Format (NVIDIA FP4, as in vLLM / compressed-tensors / torchao):
+
+    W[n, k] = e2m1(code[n, k]) * float(scale[n, k // 16]) * per_tensor_scale
+
+- ``qdata``  uint8 ``[N, K/2]``: two 4-bit e2m1 codes per byte, element 2j in the LOW nibble.
+  Codes decode to ``[0, .5, 1, 1.5, 2, 3, 4, 6]`` with bit 3 as the sign.
+- ``scale``  float8_e4m3fn ``[N, K/16]``: one block scale per 16 consecutive elements of a row.
+- ``per_tensor_scale`` fp32 0-d: multiplies every block scale. It is mandatory in practice: LLM
+  weights (std ~0.02) have block amaxes below e4m3's 2^-6 floor, so without it they lose precision
+  or flush to zero. q/k/v (and gate/up) may share one per-tensor scale because vLLM fuses them.
+
+That is 4.5 bits per weight. Quantization reuses torchao's ``nvfp4_quantize`` so our codes and
+scales are bit-identical to torchao's ``NVFP4Tensor`` (the test oracle); we keep our own subclass
+because torchao's dispatches at aten level after autograd decomposition (its backward arrives as
+``mm(grad, W.t().t())``) and forces swizzled scales, which would leave no clean place for Hopper
+kernels. Ours intercepts ``F.linear`` in ``__torch_function__`` and routes it to one autograd
+function, ``NVFP4Linear``: on CPU it dequantizes and multiplies (the reference); on CUDA it calls
+the Triton W4A16 kernels in ``kernels/``. The weight is frozen: only the input gets a gradient.
+
+Subclassing ``torchao.utils.TorchAOBaseTensor`` gives flatten/unflatten (torch.compile), detach /
+clone / copy_ (state_dict load), and makes peft wrap such linears as ``TorchaoLoraLinear``.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torchao.prototype.mx_formats.kernels import f4_unpacked_to_f32, unpack_uint4
+from torchao.prototype.mx_formats.nvfp4_tensor import nvfp4_quantize, per_tensor_amax_to_scale
+from torchao.utils import TorchAOBaseTensor
+
+aten = torch.ops.aten
+BLOCK_SIZE = 16
+# Which implementation NVFP4Linear uses on CUDA: "auto" (Triton kernels when importable, else the
+# dequantize reference) or "reference" (always dequantize; for debugging and A/B checks).
+_CUDA_BACKEND = "auto"
+
+
+def set_cuda_backend(name: str) -> None:
+    """Choose the CUDA path of the NVFP4 linear: ``"auto"`` (Triton kernels) or ``"reference"``."""
+    global _CUDA_BACKEND
+    if name not in ("auto", "reference"):
+        raise ValueError(f"unknown NVFP4 CUDA backend {name!r}; use 'auto' or 'reference'")
+    _CUDA_BACKEND = name
+
+
+def global_scale_for(*weights: torch.Tensor) -> torch.Tensor:
+    """The fp32 per-tensor scale shared by ``weights``: amax / (448 * 6), so the largest block
+    scale lands on e4m3's maximum. Pass q, k and v (or gate and up) together to share one."""
+    amax = torch.stack([w.detach().abs().amax().float() for w in weights]).amax()
+    # An all-zero weight would give scale 0 and NaNs on the way in; any positive value decodes to 0.
+    return per_tensor_amax_to_scale(torch.clamp(amax, min=torch.finfo(torch.float32).tiny))
+
+
+def dequantize_nvfp4(
+    qdata: torch.Tensor, scale: torch.Tensor, per_tensor_scale: torch.Tensor, dtype: torch.dtype
+) -> torch.Tensor:
+    """Decode ``[N, K/2]`` packed codes into a dense ``[N, K]`` weight of ``dtype`` (computed in fp32)."""
+    n, k = qdata.shape[0], qdata.shape[1] * 2
+    values = f4_unpacked_to_f32(unpack_uint4(qdata.contiguous())).view(n, k // BLOCK_SIZE, BLOCK_SIZE)
+    block_scales = scale.float() * per_tensor_scale.float()  # (N, K/16)
+    return (values * block_scales.unsqueeze(-1)).view(n, k).to(dtype)
+
+
+def _use_kernels(x: torch.Tensor) -> bool:
+    if not x.is_cuda or _CUDA_BACKEND == "reference":
+        return False
+    import kernels  # imported lazily: CPU machines need no Triton
+
+    return kernels.is_available(x.device)
+
+
+class NVFP4Linear(torch.autograd.Function):
+    """``y = x @ W.T + b`` with W in NVFP4. Saves only the packed weight for backward (never a
+    dequantized copy) and returns a gradient for ``x`` (and ``b``) only: the base is frozen."""
+
+    @staticmethod
+    def forward(ctx, x, qdata, scale, per_tensor_scale, bias):
+        ctx.save_for_backward(qdata, scale, per_tensor_scale)
+        ctx.has_bias = bias is not None
+        x2d = x.reshape(-1, x.shape[-1])  # (M, K)
+        if _use_kernels(x2d):
+            from kernels import nvfp4_linear_forward
+
+            y2d = nvfp4_linear_forward(x2d.contiguous(), qdata, scale, per_tensor_scale)  # (M, N)
+            if bias is not None:
+                y2d = y2d + bias
+        else:
+            y2d = F.linear(x2d, dequantize_nvfp4(qdata, scale, per_tensor_scale, x.dtype), bias)
+        return y2d.view(*x.shape[:-1], qdata.shape[0])
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        qdata, scale, per_tensor_scale = ctx.saved_tensors
+        g2d = grad_out.reshape(-1, grad_out.shape[-1])  # (M, N)
+        grad_x = grad_bias = None
+        if ctx.needs_input_grad[0]:
+            if _use_kernels(g2d):
+                from kernels import nvfp4_linear_grad_input
+
+                gx2d = nvfp4_linear_grad_input(g2d.contiguous(), qdata, scale, per_tensor_scale)
+            else:
+                gx2d = g2d @ dequantize_nvfp4(qdata, scale, per_tensor_scale, g2d.dtype)  # (M, K)
+            grad_x = gx2d.view(*grad_out.shape[:-1], gx2d.shape[-1])
+        if ctx.has_bias and ctx.needs_input_grad[4]:
+            grad_bias = g2d.sum(0)
+        return grad_x, None, None, None, grad_bias
+
+
+class NVFP4WeightTensor(TorchAOBaseTensor):
+    """A frozen ``[N, K]`` linear weight stored as NVFP4 (see the module docstring).
+
+    Args:
+        qdata: packed e2m1 codes, uint8 ``[N, K/2]``, even element in the low nibble.
+        scale: float8_e4m3fn block scales ``[N, K/16]``.
+        per_tensor_scale: fp32 0-d tensor multiplying every block scale.
+        orig_dtype: the dtype the tensor presents (and dequantizes to by default), e.g. bf16.
+    """
+
+    tensor_data_names = ["qdata", "scale", "per_tensor_scale"]
+    tensor_attribute_names = ["orig_dtype"]
+
+    def __new__(cls, qdata, scale, per_tensor_scale, orig_dtype):
+        n, k_half = qdata.shape
+        return torch.Tensor._make_wrapper_subclass(
+            cls, (n, k_half * 2), dtype=orig_dtype, device=qdata.device, requires_grad=False
+        )
+
+    def __init__(self, qdata, scale, per_tensor_scale, orig_dtype):
+        self.qdata = qdata
+        self.scale = scale
+        self.per_tensor_scale = per_tensor_scale
+        self.orig_dtype = orig_dtype
+
+    @classmethod
+    def from_float(cls, weight: torch.Tensor, per_tensor_scale: torch.Tensor | None = None) -> "NVFP4WeightTensor":
+        """Quantize a float ``[N, K]`` weight (K % 16 == 0). ``per_tensor_scale`` defaults to this
+        weight's own ``amax / 2688``; pass ``global_scale_for(q, k, v)`` to share one across a group."""
+        if weight.dim() != 2 or weight.shape[1] % BLOCK_SIZE:
+            raise ValueError(f"NVFP4 needs a 2-D weight with K divisible by 16, got shape {tuple(weight.shape)}")
+        orig_dtype = weight.dtype
+        # torchao rejects fp16 input; its math runs in fp32 anyway.
+        w = weight.detach()
+        w = (w if w.dtype in (torch.bfloat16, torch.float32) else w.float()).contiguous()
+        pts = global_scale_for(w) if per_tensor_scale is None else per_tensor_scale
+        pts = pts.detach().to(device=w.device, dtype=torch.float32).reshape(())
+        scale, qdata = nvfp4_quantize(w, BLOCK_SIZE, pts)
+        return cls(qdata, scale, pts, orig_dtype)
+
+    def dequantize(self, output_dtype: torch.dtype | None = None) -> torch.Tensor:
+        return dequantize_nvfp4(self.qdata, self.scale, self.per_tensor_scale, output_dtype or self.orig_dtype)
+
+    def packed_nbytes(self) -> int:
+        """Bytes actually stored: codes + block scales + the per-tensor scale (≈ 4.5 bits/weight)."""
+        return sum(t.numel() * t.element_size() for t in (self.qdata, self.scale, self.per_tensor_scale))
+
+    def __repr__(self) -> str:
+        return f"NVFP4WeightTensor(shape={tuple(self.shape)}, dtype={self.orig_dtype}, device={self.device})"
+
+
+implements = NVFP4WeightTensor.implements
+implements_torch_function = NVFP4WeightTensor.implements_torch_function
+
+
+@implements_torch_function(F.linear)
+def _linear(func, types, args, kwargs):
+    x, weight = args[0], args[1]
+    bias = args[2] if len(args) > 2 else kwargs.get("bias")
+    return NVFP4Linear.apply(x, weight.qdata, weight.scale, weight.per_tensor_scale, bias)
+
+
+@implements(aten._to_copy.default)
+def _to_copy(func, types, args, kwargs):
+    """``.to(device)`` moves the packed tensors; ``.to(dtype)`` changes only the presented dtype
+    (the codes stay NVFP4), so ``model.to(torch.bfloat16)`` cannot silently dequantize anything."""
+    w = args[0]
+    device = kwargs.get("device") or w.device
+    dtype = kwargs.get("dtype") or w.orig_dtype
+    move = lambda t: t.to(device=device)  # noqa: E731
+    return NVFP4WeightTensor(move(w.qdata), move(w.scale), move(w.per_tensor_scale), dtype)
+
+
+@implements([aten.mm.default, aten.addmm.default, aten.matmul.default, aten.t.default, aten.linear.default])
+def _refuse(func, types, args, kwargs):
+    # Anything but F.linear would bypass NVFP4Linear (and on CUDA, the kernels): fail loudly.
+    raise NotImplementedError(
+        f"NVFP4WeightTensor supports F.linear only (got {func}); call .dequantize() for a dense copy"
+    )
+
+
+torch.serialization.add_safe_globals([NVFP4WeightTensor])

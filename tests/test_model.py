@@ -1,0 +1,134 @@
+"""Model loading, layer-by-layer NVFP4 quantization and LoRA on tiny random Qwen2/Llama models."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from peft import PeftModel
+from peft.tuners.lora import Linear as LoraLinear
+
+from qerl.model import (
+    DECODER_LINEARS,
+    LoraSettings,
+    add_lora,
+    base_weight_bytes,
+    count_parameters,
+    load_base_model,
+    load_policy,
+    quantize_decoder_linears,
+)
+from qerl.nvfp4 import NVFP4WeightTensor
+
+ARCHS = ["tiny-qwen2", "tiny-llama"]
+
+
+def _ids(seed=0, shape=(4, 24)):
+    return torch.randint(4, 100, shape, generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_every_decoder_linear_quantized_and_wrapped(arch):
+    model, _ = load_policy(arch, "nvfp4", LoraSettings(rank=4, alpha=8), dtype="bf16")
+    wrapped = {n: m for n, m in model.named_modules() if isinstance(m, LoraLinear)}
+    n_layers = model.config.num_hidden_layers
+    assert len(wrapped) == n_layers * len(DECODER_LINEARS)
+    for name, mod in wrapped.items():
+        assert isinstance(mod.base_layer.weight, NVFP4WeightTensor), name
+        assert not mod.base_layer.weight.requires_grad
+    # lm_head, embeddings and norms stay 16-bit
+    assert model.get_output_embeddings().weight.dtype == torch.bfloat16
+    assert not isinstance(model.get_output_embeddings().weight, NVFP4WeightTensor)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_only_lora_params_get_gradients(arch):
+    model, _ = load_policy(arch, "nvfp4", LoraSettings(rank=4, alpha=8), dtype="fp32")
+    base_before = {n: p.detach().clone() for n, p in model.named_parameters() if not p.requires_grad and not isinstance(p, NVFP4WeightTensor)}
+    out = model(_ids(), labels=_ids())
+    out.loss.backward()
+    with_grad = {n for n, p in model.named_parameters() if p.grad is not None}
+    assert with_grad and all("lora_" in n for n in with_grad)
+    assert with_grad == {n for n, p in model.named_parameters() if p.requires_grad}
+    torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2).step()
+    for n, p in model.named_parameters():
+        if n in base_before:
+            assert torch.equal(p, base_before[n]), n
+
+
+def test_trainable_norms_option():
+    model, _ = load_policy("tiny-qwen2", "nvfp4", LoraSettings(rank=4, trainable_norms=True), dtype="fp32")
+    trainable = [n for n, p in model.named_parameters() if p.requires_grad]
+    norms = [n for n in trainable if "layernorm" in n]
+    assert len(norms) == 2 * model.config.num_hidden_layers
+    assert all("lora_" in n or "layernorm" in n for n in trainable)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_adapter_save_reload_reproduces_logits(arch, tmp_path):
+    model, _ = load_policy(arch, "nvfp4", LoraSettings(rank=4, alpha=8), dtype="fp32", seed=3)
+    with torch.no_grad():  # a non-zero adapter (B starts at 0, which would make the test vacuous)
+        for n, p in model.named_parameters():
+            if "lora_B" in n:
+                p.normal_(std=0.5)
+    ids = _ids(1)
+    with torch.no_grad():
+        logits = model(ids).logits
+        with model.disable_adapter():
+            base_logits = model(ids).logits
+    assert not torch.allclose(logits, base_logits)
+    model.save_pretrained(tmp_path)
+    fresh, _ = load_policy(arch, "nvfp4", None, dtype="fp32", seed=3)
+    reloaded = PeftModel.from_pretrained(fresh, tmp_path)
+    with torch.no_grad():
+        assert torch.equal(reloaded(ids).logits, logits)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_quantized_linear_bytes_at_most_03x_bf16(arch):
+    bf16, _ = load_base_model(arch, dtype="bf16")
+    q, _ = load_base_model(arch, dtype="bf16")
+    quantize_decoder_linears(q)
+    ratio = base_weight_bytes(q)["decoder_linears"] / base_weight_bytes(bf16)["decoder_linears"]
+    assert ratio <= 0.3, ratio  # 4.5/16 = 0.281 plus one fp32 per-tensor scale per linear
+    assert count_parameters(q)["total"] == count_parameters(bf16)["total"]
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_quantized_next_token_distribution_close_to_bf16(arch):
+    """KL(bf16 || nvfp4) of the next-token distribution, averaged over positions.
+
+    Measured on these tiny models (3 seeds each): 0.024-0.032 nats. The bound 0.06 (about 2x the
+    measurement) is justified against a control: Gaussian noise with the same relative weight error
+    (9.5%) on the same linears gives a KL of the same order, so NVFP4 costs no more than its weight
+    error implies, and a broken quantizer (wrong nibble order, missing scale) gives KL > 0.5.
+    """
+    ref, _ = load_base_model(arch, dtype="bf16", seed=0)
+    q, _ = load_base_model(arch, dtype="bf16", seed=0)
+    quantize_decoder_linears(q)
+    noisy, _ = load_base_model(arch, dtype="bf16", seed=0)
+    g = torch.Generator().manual_seed(7)
+    with torch.no_grad():
+        for name, p in noisy.named_parameters():
+            if name.rsplit(".", 2)[-2] in DECODER_LINEARS:
+                p.add_(torch.randn(p.shape, generator=g).to(p.dtype) * 0.095 * p.float().norm() / p.numel() ** 0.5)
+    ids = _ids(0, (8, 32))
+
+    def kl(a, b):
+        with torch.no_grad():
+            lp, lq = F.log_softmax(a(ids).logits.float(), -1), F.log_softmax(b(ids).logits.float(), -1)
+        return (lp.exp() * (lp - lq)).sum(-1).mean().item()
+
+    kl_q, kl_noise = kl(ref, q), kl(ref, noisy)
+    assert kl_q < 0.06, (kl_q, kl_noise)
+    assert kl_q < 2.0 * kl_noise, (kl_q, kl_noise)
+
+
+def test_unknown_model_path_is_one_clear_error(tmp_path):
+    with pytest.raises(ValueError, match="cannot load model"):
+        load_base_model(str(tmp_path / "no-such-model"))
+    with pytest.raises(FileNotFoundError, match="GGUF file not found"):
+        load_base_model(str(tmp_path / "missing.gguf"))
+
+
+def test_unknown_quantization_rejected():
+    with pytest.raises(ValueError, match="unknown quantization"):
+        load_policy("tiny-qwen2", "int3")

@@ -1,0 +1,118 @@
+"""NVFP4 weight subclass: format vs torchao, error, the linear's forward/backward, persistence."""
+
+import copy
+import io
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torchao.prototype.mx_formats.nvfp4_tensor import NVFP4Tensor, per_tensor_amax_to_scale
+
+from qerl.nvfp4 import NVFP4WeightTensor, dequantize_nvfp4, global_scale_for
+
+E2M1 = [0, 0.5, 1, 1.5, 2, 3, 4, 6, -0.0, -0.5, -1, -1.5, -2, -3, -4, -6]
+
+
+def _linear(n=64, k=80, bias=True, std=0.02, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    lin = nn.Linear(k, n, bias=bias)
+    w = torch.randn(n, k, generator=g) * std
+    lin.weight = nn.Parameter(NVFP4WeightTensor.from_float(w), requires_grad=False)
+    return lin, w
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", [(64, 80), (48, 256), (128, 16)])
+def test_codes_and_scales_match_torchao(dtype, shape):
+    w = (torch.randn(*shape) * 0.02).to(dtype)
+    ours = NVFP4WeightTensor.from_float(w)
+    ref = NVFP4Tensor.to_nvfp4(
+        w, block_size=16, per_tensor_scale=per_tensor_amax_to_scale(w.float().abs().amax()), is_swizzled_scales=False
+    )
+    assert ours.qdata.dtype == torch.uint8 and ours.qdata.shape == (shape[0], shape[1] // 2)
+    assert ours.scale.dtype == torch.float8_e4m3fn and ours.scale.shape == (shape[0], shape[1] // 16)
+    assert torch.equal(ours.qdata, ref.qdata)
+    assert torch.equal(ours.scale.view(torch.uint8), ref.scale.view(torch.uint8))
+    assert torch.equal(ours.dequantize(torch.float32), ref.dequantize(torch.float32))
+
+
+def test_nibble_order_and_code_table():
+    # One row of 16 elements: element 2j must sit in the low nibble of byte j.
+    values = torch.tensor([[0.5, 6.0, -1.0, 0.0, 3.0, -6.0, 1.5, 2.0, 4.0, -0.5, 1.0, -3.0, -2.0, -4.0, -1.5, 0.0]])
+    q = NVFP4WeightTensor.from_float(values)
+    low, high = q.qdata[0] & 0xF, q.qdata[0] >> 4
+    pts = q.per_tensor_scale * q.scale.float()[0, 0]
+    decoded = torch.stack([low, high], 1).flatten()
+    assert torch.allclose(torch.tensor([E2M1[c] for c in decoded]) * pts, values)
+
+
+@pytest.mark.parametrize("std", [1.0, 0.02, 1e-3])
+def test_relative_error_on_gaussian_weights(std):
+    w = torch.randn(256, 512, generator=torch.Generator().manual_seed(1)) * std
+    deq = NVFP4WeightTensor.from_float(w).dequantize(torch.float32)
+    rel = ((deq - w).norm() / w.norm()).item()
+    assert rel < 0.11, rel  # ~0.095 measured at every std thanks to the per-tensor scale
+
+
+def test_shared_per_tensor_scale():
+    q, k = torch.randn(64, 32), torch.randn(16, 32) * 3
+    shared = global_scale_for(q, k)
+    assert torch.equal(shared, per_tensor_amax_to_scale(k.abs().amax().clamp(min=q.abs().amax())))
+    qq = NVFP4WeightTensor.from_float(q, shared)
+    assert torch.equal(qq.per_tensor_scale, shared)
+    assert ((qq.dequantize(torch.float32) - q).norm() / q.norm()) < 0.11
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_forward_and_input_grad_equal_dequantized_reference(dtype):
+    lin, _ = _linear()
+    lin = lin.to(dtype)
+    x = torch.randn(3, 5, 80, dtype=dtype, requires_grad=True)
+    x_ref = x.detach().clone().requires_grad_(True)
+    w_ref = lin.weight.dequantize(dtype)
+    bias_ref = lin.bias.detach().clone()
+    y, y_ref = lin(x), F.linear(x_ref, w_ref, bias_ref)
+    assert torch.equal(y, y_ref)
+    g = torch.randn_like(y)
+    y.backward(g)
+    y_ref.backward(g)
+    assert torch.equal(x.grad, x_ref.grad)
+    assert lin.bias.grad is not None and torch.allclose(lin.bias.grad, g.reshape(-1, 64).sum(0))
+    assert lin.weight.grad is None
+
+
+def test_state_dict_roundtrip_deepcopy_to_and_compile():
+    lin, _ = _linear()
+    x = torch.randn(4, 80)
+    y = lin(x)
+    buf = io.BytesIO()
+    torch.save(lin.state_dict(), buf)
+    buf.seek(0)
+    sd = torch.load(buf, weights_only=True)
+    assert isinstance(sd["weight"], NVFP4WeightTensor)
+    other, _ = _linear(seed=5)
+    other.load_state_dict(sd)
+    assert torch.equal(other(x), y)
+    assert torch.equal(copy.deepcopy(lin)(x), y)
+    bf = copy.deepcopy(lin).to(torch.bfloat16)
+    assert isinstance(bf.weight, NVFP4WeightTensor) and bf.weight.dtype == torch.bfloat16
+    assert torch.equal(bf.weight.qdata, lin.weight.qdata)
+    compiled = torch.compile(lin)
+    xc = x.clone().requires_grad_(True)
+    yc = compiled(xc)
+    assert torch.allclose(yc, y, atol=1e-6)
+    yc.sum().backward()
+    assert xc.grad is not None
+
+
+def test_other_matmuls_refuse_loudly():
+    lin, _ = _linear()
+    with pytest.raises(NotImplementedError, match="F.linear only"):
+        torch.randn(2, 80) @ lin.weight.t()
+
+
+def test_dequantize_function_matches_method():
+    lin, _ = _linear()
+    w = lin.weight
+    assert torch.equal(dequantize_nvfp4(w.qdata, w.scale, w.per_tensor_scale, torch.float32), w.dequantize(torch.float32))
