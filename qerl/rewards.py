@@ -1,0 +1,416 @@
+"""Reward functions for math RL (GRPO/DAPO): answer extraction, math-verify accuracy, format.
+
+Every reward is a `RewardFunction`: ``reward(completions, answers) -> list[float]`` where
+``answers`` are gold answers that the data pipeline has already parsed to plain strings
+(e.g. ``extract_gsm8k_gold`` for GSM8K, the ``answer`` field for MATH). YAML configs pick them
+by ``class_path`` (jsonargparse), so constructors take only simple typed keyword arguments::
+
+    reward:
+      class_path: qerl.rewards.WeightedSum
+      init_args:
+        rewards:
+          - class_path: qerl.rewards.MathAccuracy
+          - class_path: qerl.rewards.FormatReward
+        weights: [1.0, 0.2]
+
+Relation to the QeRL code (research notes §4.5): its BigMath reward is math-verify accuracy
+(boxed first, 1.0/0.0) plus a 0.2 format bonus, summed with weight 1; its GSM8K reward compares
+``<answer>`` tags exactly. Here both datasets use the boxed/math-verify path, which is robust to
+``1,000`` vs ``1000`` or ``\\frac12`` vs ``0.5`` where exact string matching is not.
+
+Safety: a reward is called on arbitrary model output, so no call may raise or hang.
+``MathAccuracy`` keeps only the tail of long completions, catches every exception (→ 0.0, with a
+rate-limited warning), and bounds each parse/verify with a wall-clock deadline (see `_deadline`).
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import signal
+import threading
+import time
+from collections.abc import Callable
+from functools import lru_cache
+from typing import Any, TypeVar
+
+import math_verify
+from sympy import Basic, MatrixBase
+
+logger = logging.getLogger(__name__)
+_T = TypeVar("_T")
+
+# ----------------------------------------------------------------------------------------------
+# Answer extraction (pure string functions, linear time, never raise)
+# ----------------------------------------------------------------------------------------------
+
+# Optional whitespace is legal LaTeX (`\boxed {5}`); `\fbox` is what some models emit instead.
+_BOX_RE = re.compile(r"\\(?:boxed|fbox)\s*\{")
+_HASH_RE = re.compile(r"####\s*([^\n]*)")
+_ANSWER_IS_RE = re.compile(r"answer\s*(?:is|:)\s*:?\s*([^\n]*)", re.IGNORECASE)
+_PLAIN_NUMBER_RE = re.compile(r"-?\d{1,3}(?:,\d{3})+(?:\.\d+)?")
+_NUMBER_RE = re.compile(r"-?\d[\d,]*(?:\.\d+)?|-?\.\d+")
+
+
+def _boxed_spans(text: str) -> list[tuple[int, int]]:
+    """Return ``(content_start, content_end)`` of every closed ``\\boxed{...}``/``\\fbox{...}``.
+
+    Brace matching is done once for the whole string with a stack, so adversarial input such as
+    thousands of unclosed ``\\boxed{`` stays O(n) instead of rescanning from every occurrence.
+    Escaped braces (``\\{``) are skipped so set notation inside a box does not unbalance it.
+    """
+    match_of: dict[int, int] = {}
+    stack: list[int] = []
+    i, n = 0, len(text)
+    while i < n:
+        ch = text[i]
+        if ch == "\\":
+            i += 2  # skip the escaped character (\{, \}, \\)
+            continue
+        if ch == "{":
+            stack.append(i)
+        elif ch == "}" and stack:
+            match_of[stack.pop()] = i
+        i += 1
+    spans = []
+    for m in _BOX_RE.finditer(text):
+        open_pos = m.end() - 1
+        close_pos = match_of.get(open_pos)
+        if close_pos is not None:
+            spans.append((open_pos + 1, close_pos))
+    return spans
+
+
+def extract_boxed(text: str) -> str | None:
+    """Content of the last closed ``\\boxed{...}`` (or ``\\fbox{...}``), stripped; None if absent.
+
+    Braces are balanced, so ``\\boxed{\\frac{1}{2}}`` gives ``\\frac{1}{2}``. "Last" means the box
+    that closes last (as math-verify orders matches), so for nested boxes the outer one wins and
+    an unclosed trailing ``\\boxed{`` (a truncated completion) is ignored in favour of the last
+    complete box. The space form ``\\boxed 5`` is not supported.
+    """
+    if not isinstance(text, str):
+        return None
+    spans = _boxed_spans(text)
+    if not spans:
+        return None
+    start, end = max(spans, key=lambda s: s[1])
+    return text[start:end].strip()
+
+
+def extract_gsm8k_gold(answer_field: str) -> str:
+    """Gold answer of a GSM8K ``answer`` field: text after the last ``####``.
+
+    Commas and ``$`` are removed (``#### 1,000`` → ``1000``) and whitespace is stripped. A field
+    without ``####`` is treated as the bare answer and cleaned the same way.
+    """
+    text = answer_field.rsplit("####", 1)[-1] if "####" in answer_field else answer_field
+    return text.replace(",", "").replace("$", "").strip()
+
+
+def _clean_short_answer(text: str) -> str:
+    """Strip math delimiters and sentence punctuation around a one-line answer; a plain number
+    loses its thousands separators (``1,000`` → ``1000``) as in `extract_gsm8k_gold`."""
+    text = text.strip().strip("$").strip()
+    text = text.rstrip(".").strip().strip("$").strip()
+    return text.replace(",", "") if _PLAIN_NUMBER_RE.fullmatch(text) else text
+
+
+def extract_answer(completion: str) -> str | None:
+    """Best-effort answer string of a completion, for logging tables (not used for scoring).
+
+    Order (first hit wins): 1) last ``\\boxed{}``/``\\fbox{}``; 2) text after the last ``####``;
+    3) text after the last "answer is"/"answer:"; 4) the last number in the text (commas
+    removed). Returns None if none applies.
+    """
+    if not isinstance(completion, str) or not completion:
+        return None
+    boxed = extract_boxed(completion)
+    if boxed is not None:
+        return boxed
+    for pattern in (_HASH_RE, _ANSWER_IS_RE):
+        hits = pattern.findall(completion)
+        if hits and _clean_short_answer(hits[-1]):
+            return _clean_short_answer(hits[-1])
+    numbers = _NUMBER_RE.findall(completion)
+    return numbers[-1].replace(",", "") if numbers else None
+
+
+# ----------------------------------------------------------------------------------------------
+# Bounded execution
+# ----------------------------------------------------------------------------------------------
+
+
+class _DeadlineExceeded(BaseException):
+    """Raised by the SIGALRM handler. A BaseException so math-verify's ``except Exception``
+    blocks cannot swallow it and keep computing after the deadline."""
+
+
+def _raise_deadline(signum: int, frame: Any) -> None:
+    raise _DeadlineExceeded()
+
+
+def _can_use_alarm() -> bool:
+    """SIGALRM works only in the main thread and only if no one else has an interval timer armed
+    (we would clobber it)."""
+    return (
+        hasattr(signal, "setitimer")
+        and threading.current_thread() is threading.main_thread()
+        and signal.getitimer(signal.ITIMER_REAL)[0] == 0.0
+    )
+
+
+def _deadline(fn: Callable[[], _T], seconds: float) -> _T:
+    """Run ``fn()`` and raise TimeoutError if it takes longer than ``seconds`` of wall time.
+
+    math-verify 0.9's own timeouts use ``signal.alarm`` with whole seconds and raise ValueError
+    outside the main thread, so we disable them (``None``) and arm one sub-second ``setitimer``
+    around parse+verify ourselves. Python delivers the signal between bytecodes; sympy's big-number
+    work (``9^{9^{9^9}}``, ``99999999!``) runs in Python loops and was measured to stop on time.
+    Outside the main thread no signal can be used: there only the input-length caps bound the cost.
+    """
+    if seconds <= 0 or not _can_use_alarm():
+        return fn()
+    old_handler = signal.signal(signal.SIGALRM, _raise_deadline)
+    try:
+        try:
+            # Re-fires every 50 ms after the deadline in case some library code swallows the first
+            # exception with a bare `except:`; the inner `finally` disarms it either way.
+            signal.setitimer(signal.ITIMER_REAL, seconds, 0.05)
+            return fn()
+        finally:
+            signal.setitimer(signal.ITIMER_REAL, 0)
+    except _DeadlineExceeded:
+        # Also catches a signal that fires inside the inner `finally`, before the timer is cleared.
+        raise TimeoutError(f"exceeded {seconds:.2f}s") from None
+    finally:
+        signal.signal(signal.SIGALRM, old_handler)
+
+
+class _DropTimeoutDisabledWarning(logging.Filter):
+    """math-verify warns once that its timeout is disabled; we disable it on purpose (see
+    `_deadline`), so the message would only mislead."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith("Timeout is disabled")
+
+
+for _name in ("math_verify.parser", "math_verify.grader"):
+    logging.getLogger(_name).addFilter(_DropTimeoutDisabledWarning())
+
+_warn_state = {"last": 0.0, "suppressed": 0}
+
+
+def _warn_limited(message: str, interval_s: float = 30.0) -> None:
+    """Log at most one warning per ``interval_s`` (RL batches can fail thousands of parses)."""
+    now = time.monotonic()
+    if now - _warn_state["last"] >= interval_s:
+        n = _warn_state["suppressed"]
+        extra = f" ({n} similar warnings suppressed)" if n else ""
+        logger.warning("%s%s", message, extra)
+        _warn_state["last"], _warn_state["suppressed"] = now, 0
+    else:
+        _warn_state["suppressed"] += 1
+
+
+# ----------------------------------------------------------------------------------------------
+# Reward functions
+# ----------------------------------------------------------------------------------------------
+
+
+class RewardFunction:
+    """Base class: ``__call__(completions, answers) -> list[float]`` (one reward per completion).
+
+    Subclasses implement `compute`. After each call, ``last_components`` maps reward names to the
+    per-completion values of that call (``{name: values}`` for a single function), so the trainer
+    can log ``train/rewards/<name>`` without knowing the reward's structure.
+    """
+
+    name: str = "reward"
+
+    def __init__(self) -> None:
+        self.last_components: dict[str, list[float]] = {}
+
+    def compute(self, completions: list[str], answers: list[str]) -> list[float]:
+        """Return one float per completion; ``answers[i]`` is the parsed gold of completion i."""
+        raise NotImplementedError
+
+    def __call__(self, completions: list[str], answers: list[str]) -> list[float]:
+        if len(completions) != len(answers):
+            raise ValueError(f"{len(completions)} completions but {len(answers)} answers")
+        values = [float(v) for v in self.compute(list(completions), list(answers))]
+        self.last_components = self._components(values)
+        return values
+
+    def _components(self, values: list[float]) -> dict[str, list[float]]:
+        """Per-function values of the call that produced ``values``; composites override this."""
+        return {self.name: values}
+
+
+class MathAccuracy(RewardFunction):
+    """1.0 if the completion's final answer equals the gold answer under math-verify, else 0.0.
+
+    The prediction is the last ``\\boxed{}`` content; without a box, the whole (tail of the)
+    completion is handed to math-verify, which takes the last LaTeX/number expression, unless
+    ``boxed_only``. Equivalences handled include ``\\frac{1}{2}``/``0.5``/``1/2``,
+    ``1,000``/``1000``, ``\\$5``/``5`` and ``5\\%``/``5``.
+
+    Args:
+        boxed_only: If True, a completion without ``\\boxed{}`` scores 0 (no fallback parse).
+        timeout_s: Wall-clock limit per completion for parse + verify (main thread only).
+        max_chars: Only the last ``max_chars`` characters are parsed; answers sit at the end,
+            and math-verify's regexes and LaTeX parser can be slow on very long text.
+    """
+
+    name = "accuracy"
+
+    def __init__(self, boxed_only: bool = False, timeout_s: float = 2.0, max_chars: int = 10_000) -> None:
+        super().__init__()
+        self.boxed_only = boxed_only
+        self.timeout_s = timeout_s
+        self.max_chars = max_chars
+        self._warmed_up = False
+
+    def _warm_up(self) -> None:
+        # The first parse loads the ANTLR LaTeX grammar (~0.2 s); doing it outside the deadline
+        # keeps the first real completion from timing out spuriously.
+        if not self._warmed_up:
+            self._warmed_up = True
+            try:
+                math_verify.verify(list(_parse_gold("1")), _parse_pred("\\boxed{1}"), timeout_seconds=None)
+            except Exception:  # noqa: BLE001 - warm-up is best effort
+                pass
+
+    def score_one(self, completion: Any, gold: Any) -> float:
+        """Score one completion; never raises (errors and timeouts give 0.0)."""
+        if not isinstance(completion, str) or not isinstance(gold, str) or not gold.strip():
+            return 0.0
+        text = completion[-self.max_chars :] if self.max_chars > 0 else completion
+        boxed = extract_boxed(text)
+        if boxed is None and self.boxed_only:
+            return 0.0
+        # Re-box the extracted content so math-verify sees exactly the last box (its boxed regex
+        # is brace-balanced) rather than whatever else the completion contains.
+        pred_text = "\\boxed{" + boxed + "}" if boxed is not None else text
+
+        def run() -> bool:
+            # verify() only treats a *list* as alternatives; a tuple would be one odd expression.
+            gold_parsed = list(_parse_gold(gold.strip()))
+            if not gold_parsed:
+                return False
+            return bool(math_verify.verify(gold_parsed, _parse_pred(pred_text, boxed), timeout_seconds=None))
+
+        try:
+            return 1.0 if _deadline(run, self.timeout_s) else 0.0
+        except Exception as e:  # noqa: BLE001 - any failure on model output is just a wrong answer
+            _warn_limited(f"MathAccuracy: {type(e).__name__}: {str(e)[:200]} -> reward 0.0")
+            return 0.0
+
+    def compute(self, completions: list[str], answers: list[str]) -> list[float]:
+        self._warm_up()
+        return [self.score_one(c, a) for c, a in zip(completions, answers)]
+
+
+@lru_cache(maxsize=4096)
+def _parse_gold(gold: str) -> tuple:
+    """Parse a gold string once: a GRPO group shares one gold across all its completions.
+
+    Wrapped in ``$...$`` so LaTeX golds (``\\left( 3, \\frac{\\pi}{2} \\right)``) parse as LaTeX;
+    returns a tuple so the cached value cannot be mutated by callers.
+    """
+    parsed = math_verify.parse(f"${gold}$", parsing_timeout=None)
+    if not parsed:
+        parsed = math_verify.parse(gold, parsing_timeout=None)
+    return tuple(parsed)
+
+
+def _parse_pred(text: str, boxed: str | None = None) -> list:
+    """Parse a prediction with math-verify's defaults (LaTeX with boxed priority, then plain
+    expressions; rightmost match first).
+
+    math-verify 0.9 leaves some boxed contents as bare strings (``\\boxed{5\\%}`` → ``'5\\%'``)
+    although the same content parses inside ``$...$`` (→ 5); so when the box gave no SymPy
+    object, the ``$content$`` parses are added as further candidates (verify takes any match).
+    """
+    parsed = math_verify.parse(text, parsing_timeout=None)
+    if boxed is not None and not any(isinstance(p, (Basic, MatrixBase)) for p in parsed):
+        parsed = parsed + math_verify.parse(f"${boxed}$", parsing_timeout=None)
+    return parsed
+
+
+class FormatReward(RewardFunction):
+    """1.0 if the completion contains exactly one closed, non-empty ``\\boxed{}``/``\\fbox{}``.
+
+    Several boxes (hedging), an empty box or only an unclosed box give 0.0. Nested boxes count
+    separately. Kept deliberately simple: no ``<think>`` tags, since our prompts ask only for a
+    boxed final answer.
+
+    Args:
+        max_chars_after: If set, the box must also close within this many characters of the end
+            (e.g. 200), which penalises answering early and then rambling on. None: anywhere.
+    """
+
+    name = "format"
+
+    def __init__(self, max_chars_after: int | None = None) -> None:
+        super().__init__()
+        self.max_chars_after = max_chars_after
+
+    def score_one(self, completion: Any) -> float:
+        """Score one completion; never raises."""
+        if not isinstance(completion, str):
+            return 0.0
+        spans = _boxed_spans(completion)
+        if len(spans) != 1:
+            return 0.0
+        start, end = spans[0]
+        if not completion[start:end].strip():
+            return 0.0
+        if self.max_chars_after is not None and len(completion) - (end + 1) > self.max_chars_after:
+            return 0.0
+        return 1.0
+
+    def compute(self, completions: list[str], answers: list[str]) -> list[float]:
+        return [self.score_one(c) for c in completions]
+
+
+class WeightedSum(RewardFunction):
+    """Weighted sum of several rewards; ``last_components`` keeps each one's values.
+
+    Component names are the functions' ``name`` (``accuracy``, ``format``, ...); a repeated name
+    gets a ``_<index>`` suffix so no component's log is overwritten.
+
+    Args:
+        rewards: The reward functions to combine.
+        weights: One weight per reward; None means all 1.0 (the QeRL code sums with weight 1).
+    """
+
+    name = "weighted_sum"
+
+    def __init__(self, rewards: list[RewardFunction], weights: list[float] | None = None) -> None:
+        super().__init__()
+        if not rewards:
+            raise ValueError("WeightedSum needs at least one reward function")
+        if weights is None:
+            weights = [1.0] * len(rewards)
+        if len(weights) != len(rewards):
+            raise ValueError(f"{len(rewards)} rewards but {len(weights)} weights")
+        self.rewards = list(rewards)
+        self.weights = [float(w) for w in weights]
+        self._keys: list[str] = []
+        for i, r in enumerate(self.rewards):
+            key = r.name if r.name not in self._keys else f"{r.name}_{i}"
+            self._keys.append(key)
+        self._pending: dict[str, list[float]] = {}
+
+    def compute(self, completions: list[str], answers: list[str]) -> list[float]:
+        self._pending = {}
+        total = [0.0] * len(completions)
+        for key, reward, weight in zip(self._keys, self.rewards, self.weights):
+            values = reward(completions, answers)
+            self._pending[key] = values
+            total = [t + weight * v for t, v in zip(total, values)]
+        return total
+
+    def _components(self, values: list[float]) -> dict[str, list[float]]:
+        return self._pending

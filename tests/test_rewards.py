@@ -1,0 +1,298 @@
+"""Tests for qerl.rewards: gold parsing, boxed extraction, math-verify accuracy, format,
+weighted sums, and robustness (bounded time, never raising) on adversarial model output.
+
+Rows below are copied from GSM8K test / MATH500 (CI has no /work/shared data directory).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from qerl.rewards import (
+    FormatReward,
+    MathAccuracy,
+    RewardFunction,
+    WeightedSum,
+    extract_answer,
+    extract_boxed,
+    extract_gsm8k_gold,
+)
+
+# First rows of gsm8k/test.jsonl ("answer" field) and math500/test.jsonl ("solution", "answer").
+GSM8K_ROWS = [
+    (
+        "Janet sells 16 - 3 - 4 = <<16-3-4=9>>9 duck eggs a day.\n"
+        "She makes 9 * 2 = $<<9*2=18>>18 every day at the farmer\u2019s market.\n#### 18",
+        "18",
+    ),
+    ("It takes 2/2=<<2/2=1>>1 bolt of white fiber\nSo the total amount of fabric is 2+1=<<2+1=3>>3 bolts of fabric\n#### 3", "3"),
+    ("So the house is worth 80,000+150,000=$<<80000+150000=230000>>230,000\n#### 70,000", "70000"),
+    ("He spent $<<5*2=10>>10.\n#### $1,450,000 ", "1450000"),
+]
+MATH_ROWS = [
+    (
+        r"Therefore, the polar coordinates are $\boxed{\left( 3, \frac{\pi}{2} \right)}.$",
+        r"\left( 3, \frac{\pi}{2} \right)",
+    ),
+    (r"So the sum is $\boxed{p - q}.$", "p - q"),
+    (r"Hence $f(-2) + f(-1) + f(0) = \boxed{\frac{14}{3}}.$", r"\frac{14}{3}"),
+    (r"The answer is $\boxed{\text{Evelyn}}$.", r"\text{Evelyn}"),
+    (r"so the answer is $\boxed{90^\circ}$.", r"90^\circ"),
+    (r"which gives $\boxed{\begin{pmatrix} -1/3 \\ 2/3 \\ 5/3 \end{pmatrix}}.$", r"\begin{pmatrix} -1/3 \\ 2/3 \\ 5/3 \end{pmatrix}"),
+    (r"The total is $\boxed{\$18.90}$.", r"\$18.90"),
+    (r"So there are $\boxed{10,\!080}$ ways.", r"10,\!080"),
+    (r"The solution set is $\boxed{(-\infty, 2) \cup (3, \infty)}$.", r"(-\infty, 2) \cup (3, \infty)"),
+]
+
+
+@pytest.fixture(scope="module")
+def acc() -> MathAccuracy:
+    return MathAccuracy(timeout_s=1.0)
+
+
+# ---------------------------------------------------------------- extraction
+
+
+@pytest.mark.parametrize("field,gold", GSM8K_ROWS)
+def test_gsm8k_gold(field: str, gold: str) -> None:
+    assert extract_gsm8k_gold(field) == gold
+
+
+def test_gsm8k_gold_without_marker() -> None:
+    assert extract_gsm8k_gold(" $1,000 ") == "1000"
+
+
+@pytest.mark.parametrize("solution,answer", MATH_ROWS)
+def test_extract_boxed_real_math_solutions(solution: str, answer: str) -> None:
+    assert extract_boxed(solution) == answer
+
+
+@pytest.mark.parametrize(
+    "text,expected",
+    [
+        (r"\boxed{\frac{1}{2}}", r"\frac{1}{2}"),
+        (r"first \boxed{1} then \boxed{2}", "2"),  # last box wins
+        (r"\boxed{a} \boxed{\boxed{b}}", r"\boxed{b}"),  # outer box of the last nest
+        (r"\boxed{5} and then \boxed{", "5"),  # unclosed trailing box is ignored
+        (r"\fbox{7}", "7"),
+        (r"\boxed {  8 }", "8"),
+        (r"\boxed{\{1, 2\}}", r"\{1, 2\}"),  # escaped braces do not unbalance
+        (r"\boxed{x^{2^{3}}}", "x^{2^{3}}"),
+        ("no box here 42", None),
+        (r"\boxed{", None),
+        ("", None),
+    ],
+)
+def test_extract_boxed(text: str, expected: str | None) -> None:
+    assert extract_boxed(text) == expected
+
+
+@pytest.mark.parametrize(
+    "text,expected",
+    [
+        (r"so $\boxed{12}$. #### 13", "12"),  # boxed first
+        ("work...\n#### 1,600", "1600"),
+        ("Thus the answer is $5$.", "5"),
+        ("The final answer: 3/4", "3/4"),
+        ("I get 12 apples, then 1,234.5 pears", "1234.5"),
+        ("no digits at all", None),
+        ("", None),
+    ],
+)
+def test_extract_answer_order(text: str, expected: str | None) -> None:
+    assert extract_answer(text) == expected
+
+
+# ---------------------------------------------------------------- accuracy
+
+
+@pytest.mark.parametrize(
+    "completion,gold",
+    [
+        (r"So $\boxed{\frac{1}{2}}$.", "0.5"),
+        (r"\boxed{\frac{1}{2}}", r"\frac12"),
+        (r"\boxed{0.5}", r"\frac{1}{2}"),
+        (r"\boxed{1/2}", "0.5"),
+        (r"\boxed{1,000}", "1000"),
+        (r"\boxed{\$5}", "5"),
+        ("The total is $5. \\boxed{$5$}", "5"),
+        (r"\boxed{5\%}", "5"),
+        (r"\boxed{5\%}", r"5\%"),
+        (r"\boxed{\dfrac{14}{3}}", r"\frac{14}{3}"),
+        (r"\boxed{\frac{\pi}{2}+3}", r"3+\frac{\pi}{2}"),
+    ],
+)
+def test_accuracy_equivalences(acc: MathAccuracy, completion: str, gold: str) -> None:
+    assert acc([completion], [gold]) == [1.0]
+
+
+@pytest.mark.parametrize("solution,answer", MATH_ROWS)
+def test_accuracy_real_math_rows(acc: MathAccuracy, solution: str, answer: str) -> None:
+    assert acc([solution], [answer]) == [1.0]
+
+
+@pytest.mark.parametrize("field,gold", GSM8K_ROWS)
+def test_accuracy_gsm8k_style(acc: MathAccuracy, field: str, gold: str) -> None:
+    assert acc([f"... so she makes \\boxed{{{gold}}} dollars."], [gold]) == [1.0]
+    # Without a box the fallback parses the tail, where "#### N" is the last number.
+    assert acc([field], [gold]) == [1.0]
+    assert MathAccuracy(boxed_only=True)([field], [gold]) == [0.0]
+
+
+@pytest.mark.parametrize(
+    "completion,gold",
+    [
+        (r"\boxed{17}", "18"),
+        (r"\boxed{\frac{1}{3}}", "0.5"),
+        (r"\boxed{1} then \boxed{2}", "1"),  # only the last box counts
+        (r"\boxed{p + q}", "p - q"),
+        ("I don't know.", "5"),
+        ("", "5"),
+        (r"\boxed{5}", ""),  # empty gold never matches
+    ],
+)
+def test_accuracy_wrong(acc: MathAccuracy, completion: str, gold: str) -> None:
+    assert acc([completion], [gold]) == [0.0]
+
+
+def test_accuracy_batch_and_components(acc: MathAccuracy) -> None:
+    out = acc([r"\boxed{3}", r"\boxed{4}", r"\boxed{3}"], ["3", "3", "3"])
+    assert out == [1.0, 0.0, 1.0]
+    assert acc.last_components == {"accuracy": [1.0, 0.0, 1.0]}
+    assert acc([], []) == []
+
+
+def test_length_mismatch_raises(acc: MathAccuracy) -> None:
+    with pytest.raises(ValueError):
+        acc(["a"], [])
+
+
+def test_accuracy_in_worker_thread() -> None:
+    """Signals are main-thread only; in a thread the reward must still work (unbounded)."""
+    result: list[list[float]] = []
+    worker = threading.Thread(target=lambda: result.append(MathAccuracy()([r"\boxed{0.5}", "x"], ["1/2", "1"])))
+    worker.start()
+    worker.join(30)
+    assert result == [[1.0, 0.0]]
+
+
+# ---------------------------------------------------------------- robustness
+
+ADVERSARIAL = [
+    "{" * 100_000,
+    "\\boxed{" + "{" * 5_000 + "1" + "}" * 5_000 + "}",
+    "\\boxed{" * 20_000,
+    r"The answer is \boxed{",
+    r"\boxed{9^{9^{9^{9}}}}",
+    r"\boxed{99999999!}",
+    "\\boxed{" + "\\frac{" * 300 + "}",
+    "\u202e\ud800\x00\uffff 🤖 \\boxed{\u0000\u200b}",
+    "$" * 50_000,
+    "\\" * 30_000,
+    "",
+    "   ",
+]
+
+
+def test_adversarial_bounded_and_never_raises() -> None:
+    reward = WeightedSum([MathAccuracy(timeout_s=0.5), FormatReward()])
+    start = time.monotonic()
+    out = reward(ADVERSARIAL, ["5"] * len(ADVERSARIAL))
+    elapsed = time.monotonic() - start
+    assert len(out) == len(ADVERSARIAL) and all(isinstance(v, float) for v in out)
+    assert reward.last_components["accuracy"] == [0.0] * len(ADVERSARIAL)
+    # Per completion at most ~timeout_s; the cheap ones take milliseconds.
+    assert elapsed < 8.0, f"adversarial batch took {elapsed:.1f}s"
+
+
+def test_non_string_inputs_score_zero() -> None:
+    bad: list = [None, 5, b"\\boxed{5}", ["\\boxed{5}"]]
+    assert MathAccuracy()(bad, ["5"] * 4) == [0.0] * 4
+    assert FormatReward()(bad, ["5"] * 4) == [0.0] * 4
+    assert MathAccuracy()([r"\boxed{5}"], [None]) == [0.0]  # type: ignore[list-item]
+    assert extract_boxed(None) is None  # type: ignore[arg-type]
+    assert extract_answer(None) is None  # type: ignore[arg-type]
+
+
+def test_huge_exponent_and_earlier_timer_untouched() -> None:
+    """A timeout yields 0.0, and the SIGALRM handler is restored afterwards."""
+    import signal
+
+    before = signal.getsignal(signal.SIGALRM)
+    start = time.monotonic()
+    assert MathAccuracy(timeout_s=0.3)([r"\boxed{9^{9^{9^{9}}}}"], ["5"]) == [0.0]
+    assert time.monotonic() - start < 3.0
+    assert signal.getsignal(signal.SIGALRM) is before
+    assert signal.getitimer(signal.ITIMER_REAL)[0] == 0.0
+
+
+# ---------------------------------------------------------------- format and sums
+
+
+@pytest.mark.parametrize(
+    "completion,expected",
+    [
+        (r"reasoning... so $\boxed{5}$.", 1.0),
+        (r"\boxed{1} or maybe \boxed{2}", 0.0),
+        (r"\boxed{}", 0.0),
+        (r"\boxed{  }", 0.0),
+        (r"\boxed{", 0.0),
+        ("no box", 0.0),
+        (r"\boxed{\frac{1}{2}}", 1.0),
+    ],
+)
+def test_format_reward(completion: str, expected: float) -> None:
+    fmt = FormatReward()
+    assert fmt([completion], ["x"]) == [expected]
+    assert fmt.last_components == {"format": [expected]}
+
+
+def test_format_reward_near_end() -> None:
+    fmt = FormatReward(max_chars_after=10)
+    assert fmt([r"\boxed{5}.", r"\boxed{5}" + " and more text" * 5], ["5", "5"]) == [1.0, 0.0]
+
+
+def test_weighted_sum_components() -> None:
+    reward = WeightedSum([MathAccuracy(), FormatReward()], weights=[1.0, 0.2])
+    completions = [r"\boxed{18}", r"\boxed{17}", "18", r"\boxed{1} \boxed{18}"]
+    out = reward(completions, ["18"] * 4)
+    assert out == pytest.approx([1.2, 0.2, 1.0, 1.0])
+    assert reward.last_components == {"accuracy": [1.0, 0.0, 1.0, 1.0], "format": [1.0, 1.0, 0.0, 0.0]}
+    assert isinstance(reward, RewardFunction) and reward.name == "weighted_sum"
+
+
+def test_weighted_sum_defaults_and_duplicates() -> None:
+    reward = WeightedSum([FormatReward(), FormatReward(max_chars_after=0)])
+    assert reward([r"\boxed{1}!"], ["1"]) == [1.0]
+    assert reward.last_components == {"format": [1.0], "format_1": [0.0]}
+    with pytest.raises(ValueError):
+        WeightedSum([FormatReward()], weights=[1.0, 2.0])
+    with pytest.raises(ValueError):
+        WeightedSum([])
+
+
+def test_jsonargparse_instantiates_from_class_path() -> None:
+    """YAML configs select rewards by class_path; check the constructors are jsonargparse-friendly."""
+    jsonargparse = pytest.importorskip("jsonargparse")
+    parser = jsonargparse.ArgumentParser()
+    parser.add_argument("--reward", type=RewardFunction)
+    cfg = parser.parse_object(
+        {
+            "reward": {
+                "class_path": "qerl.rewards.WeightedSum",
+                "init_args": {
+                    "rewards": [
+                        {"class_path": "qerl.rewards.MathAccuracy", "init_args": {"boxed_only": True}},
+                        {"class_path": "qerl.rewards.FormatReward"},
+                    ],
+                    "weights": [1.0, 0.2],
+                },
+            }
+        }
+    )
+    reward = parser.instantiate_classes(cfg).reward
+    assert isinstance(reward, WeightedSum) and reward.rewards[0].boxed_only is True
+    assert reward([r"\boxed{2}"], ["2"]) == pytest.approx([1.2])
