@@ -1,0 +1,1 @@
+"""Lightning wiring of qerl: the DataModule and LightningModules used by `train.py` (LightningCLI)."""

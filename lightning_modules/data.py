@@ -1,0 +1,487 @@
+"""`PromptDataModule`: prompt batches for GRPO/DAPO training and per-benchmark validation.
+
+A training batch is ``prompts_per_step`` prompts (each is later sampled G times by the rollout
+engine); it is a dict of plain lists, never padded tensors (the rollout engine pads)::
+
+    {"prompt_ids": list[list[int]], "prompts": list[str], "answers": list[str],
+     "indices": list[int], "sources": list[str]}
+
+The training stream is **infinite**: epoch ``e`` visits the prompts in a permutation fixed by
+``(seed, e)`` (the last ``n % prompts_per_step`` prompts of a permutation are dropped, and come
+back in later epochs), then the next epoch starts. ``trainer.max_steps`` therefore decides how
+long training runs; set it, and validate by steps::
+
+    trainer:
+      max_steps: 500
+      val_check_interval: 50         # an int: every 50 training batches
+      check_val_every_n_epoch: null  # Lightning "epochs" never end on an infinite loader
+
+Resuming: `state_dict` holds the data position (epoch, batch within the epoch, batches consumed)
+and Lightning stores it in every checkpoint; ``fit(ckpt_path=...)`` restores it and the stream
+continues with the first batch the interrupted run had not trained on. Under a Trainer a batch
+counts as consumed when it reaches the training step (through this module's
+`on_before_batch_transfer` hook; Lightning fetches one batch ahead, so counting at the loader
+would skip one); iterated by hand (no trainer), it counts when the loader yields it.
+
+Validation/test: each entry of ``val_sources`` / ``test_sources`` (name → source) is its own
+dataloader, in order; ``val_names[dataloader_idx]`` names it. Batches hold no tensors, so log
+with ``self.log(..., batch_size=len(batch["prompts"]))``.
+
+The tokenizer normally comes from the model: the LightningModule calls
+``trainer.datamodule.set_tokenizer(tokenizer)`` (e.g. in its ``setup``), or the data module
+takes ``trainer.lightning_module.tokenizer`` itself. Prompts are tokenized lazily, when the
+first dataloader is built, so either order works.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any
+
+import lightning as L
+import numpy as np
+from torch.utils.data import DataLoader, IterableDataset, get_worker_info
+
+from qerl.data import (
+    DEFAULT_SYSTEM_PROMPT,
+    Layout,
+    PromptExample,
+    encode_prompts,
+    load_examples,
+)
+
+logger = logging.getLogger(__name__)
+
+BATCH_KEYS = ("prompt_ids", "prompts", "answers", "indices", "sources")
+
+
+class PromptBatch(dict):
+    """A batch dict (`BATCH_KEYS`) that also remembers where in the training stream it came from.
+
+    ``position`` is ``(epoch, batch_in_epoch)`` for training batches and None for eval batches. It
+    is an attribute, not a key, so the module sees exactly the documented keys.
+    """
+
+    position: tuple[int, int] | None = None
+
+
+def collate_examples(
+    examples: Sequence[PromptExample], prompt_ids: Sequence[list[int]], position: tuple[int, int] | None = None
+) -> PromptBatch:
+    """Build a `PromptBatch` of plain lists from parallel examples and prompt ids."""
+    batch = PromptBatch(
+        prompt_ids=[list(ids) for ids in prompt_ids],
+        prompts=[ex.prompt for ex in examples],
+        answers=[ex.answer for ex in examples],
+        indices=[ex.index for ex in examples],
+        sources=[ex.source for ex in examples],
+    )
+    batch.position = position
+    return batch
+
+
+def _identity(batch: Any) -> Any:
+    return batch
+
+
+class _EvalCollate:
+    """Picklable collate_fn for eval loaders: dataset items are row numbers."""
+
+    def __init__(self, examples: list[PromptExample], prompt_ids: list[list[int]]):
+        self.examples = examples
+        self.prompt_ids = prompt_ids
+
+    def __call__(self, rows: list[int]) -> PromptBatch:
+        return collate_examples([self.examples[i] for i in rows], [self.prompt_ids[i] for i in rows])
+
+
+def epoch_permutation(n: int, seed: int, epoch: int) -> np.ndarray:
+    """The order of ``n`` prompts in ``epoch``: a permutation determined only by ``(seed, epoch)``."""
+    return np.random.default_rng([seed, epoch]).permutation(n)
+
+
+class PromptStream(IterableDataset):
+    """Infinite, seeded stream of training `PromptBatch` es that can start at any position.
+
+    Global batch ``(epoch, b)`` is ``permutation(seed, epoch)[b*B*W : (b+1)*B*W]`` with
+    ``B = batch_size`` and ``W = world_size``; rank ``r`` gets its ``r``-th slice of ``B``. Each
+    epoch has ``n // (B*W)`` batches. With DataLoader workers, worker ``w`` of ``K`` yields the
+    global batches ``k ≡ w (mod K)`` so the loader's round-robin keeps the order.
+    """
+
+    def __init__(
+        self,
+        examples: list[PromptExample],
+        prompt_ids: list[list[int]],
+        batch_size: int,
+        seed: int,
+        rank: int = 0,
+        world_size: int = 1,
+        start: tuple[int, int] = (0, 0),
+    ):
+        super().__init__()
+        if len(examples) != len(prompt_ids):
+            raise ValueError("examples and prompt_ids differ in length")
+        self.examples = examples
+        self.prompt_ids = prompt_ids
+        self.batch_size = batch_size
+        self.seed = seed
+        self.rank = rank
+        self.world_size = world_size
+        self.start = start
+        if self.batches_per_epoch == 0:
+            raise ValueError(
+                f"{len(examples)} training prompts are fewer than one batch of {batch_size * world_size}"
+                f" (prompts_per_step={batch_size} × world_size={world_size}); lower prompts_per_step or add data"
+            )
+
+    @property
+    def batches_per_epoch(self) -> int:
+        return len(self.examples) // (self.batch_size * self.world_size)
+
+    def normalize(self, position: tuple[int, int]) -> tuple[int, int]:
+        epoch, b = position
+        if b >= self.batches_per_epoch:  # e.g. the data shrank since the checkpoint
+            return epoch + 1, 0
+        return epoch, b
+
+    def __iter__(self) -> Iterator[PromptBatch]:
+        info = get_worker_info()
+        worker, num_workers = (info.id, info.num_workers) if info is not None else (0, 1)
+        epoch, b = self.normalize(self.start)
+        global_b = self.batch_size * self.world_size
+        k = 0  # batches since the start position, for worker sharding
+        while True:
+            perm = epoch_permutation(len(self.examples), self.seed, epoch)
+            for b in range(b, self.batches_per_epoch):
+                if k % num_workers == worker:
+                    lo = b * global_b + self.rank * self.batch_size
+                    rows = perm[lo : lo + self.batch_size].tolist()
+                    yield collate_examples(
+                        [self.examples[i] for i in rows], [self.prompt_ids[i] for i in rows], position=(epoch, b)
+                    )
+                k += 1
+            epoch, b = epoch + 1, 0
+
+
+class _PromptStreamLoader(DataLoader):
+    """DataLoader over a `PromptStream` that starts at the data module's position on every ``iter()``."""
+
+    def __init__(
+        self,
+        stream: PromptStream,
+        get_start: Callable[[], tuple[int, int]],
+        on_yield: Callable[[PromptBatch], None] | None,
+        num_workers: int = 0,
+    ):
+        super().__init__(stream, batch_size=None, collate_fn=_identity, num_workers=num_workers)
+        self._get_start = get_start
+        self._on_yield = on_yield
+
+    def __iter__(self) -> Iterator[PromptBatch]:  # type: ignore[override]
+        self.dataset.start = self._get_start()
+        for batch in super().__iter__():
+            if self._on_yield is not None:
+                self._on_yield(batch)
+            yield batch
+
+
+class PromptDataModule(L.LightningDataModule):
+    """Math prompts for GRPO/DAPO: an infinite seeded training stream plus named eval sets.
+
+    Args:
+        train_source: Training prompts: a ``.jsonl``/``.json``/``.parquet`` file, a directory, a
+            Hugging Face dataset id (``"openai/gsm8k:main"`` = id ``openai/gsm8k``, config
+            ``main``), or ``"synthetic-arithmetic"`` (generated "What is 7 + 5?" problems).
+        val_sources: Validation sets, name → source (e.g. ``{"gsm8k": "data/gsm8k/test.jsonl",
+            "math500": "data/math500/test.jsonl"}``); one dataloader each, in this order, named
+            by ``val_names``. None: no validation.
+        test_sources: Test sets for ``trainer.test``, like ``val_sources`` (names in ``test_names``).
+        split: Split of ``train_source`` when it is a directory or dataset id.
+        eval_split: Split of the val/test sources when they are directories or dataset ids.
+        layout: Row layout of ``train_source``: ``auto`` (detect GSM8K ``question``/``answer``
+            with ``####`` or MATH ``problem``/``answer``/``solution``), ``gsm8k``, ``math`` or
+            ``custom``. Val/test sets are always auto-detected.
+        prompt_key: Field holding the question in ``train_source`` (needed for ``custom``;
+            overrides the layout default).
+        answer_key: Field holding the gold answer in ``train_source`` (needed for ``custom``;
+            overrides the layout default).
+        system_prompt: System message before every question; None or "" for none.
+        prompts_per_step: Prompts per training batch (per device); each is sampled G times later.
+        max_prompt_length: Longest prompt in tokens (chat template included); longer prompts are
+            dropped, with a logged count.
+        num_train_examples: Use only the first N usable training rows (None: all).
+        num_val_examples: Use only the first N usable rows of each val/test set (None: all).
+        val_prompts_per_batch: Prompts per validation/test batch (None: ``prompts_per_step``).
+        seed: Seed of the training order (epoch ``e`` uses the permutation of ``(seed, e)``).
+        num_workers: DataLoader worker processes (0: load in the main process).
+        tokenizer_name_or_path: Tokenizer to load here (HF id or path; ``tiny-qwen2`` /
+            ``tiny-llama`` for the built-in tiny one). None: use the model's tokenizer, given by
+            `set_tokenizer` or found as ``trainer.lightning_module.tokenizer``.
+    """
+
+    def __init__(
+        self,
+        train_source: str = "synthetic-arithmetic",
+        val_sources: dict[str, str] | None = None,
+        test_sources: dict[str, str] | None = None,
+        split: str = "train",
+        eval_split: str = "test",
+        layout: Layout = "auto",
+        prompt_key: str | None = None,
+        answer_key: str | None = None,
+        system_prompt: str | None = DEFAULT_SYSTEM_PROMPT,
+        prompts_per_step: int = 8,
+        max_prompt_length: int = 512,
+        num_train_examples: int | None = None,
+        num_val_examples: int | None = None,
+        val_prompts_per_batch: int | None = None,
+        seed: int = 0,
+        num_workers: int = 0,
+        tokenizer_name_or_path: str | None = None,
+    ):
+        super().__init__()
+        if prompts_per_step < 1:
+            raise ValueError(f"prompts_per_step must be >= 1, got {prompts_per_step}")
+        if max_prompt_length < 1:
+            raise ValueError(f"max_prompt_length must be >= 1, got {max_prompt_length}")
+        self.save_hyperparameters()
+        self.train_source = train_source
+        self.val_sources = dict(val_sources or {})
+        self.test_sources = dict(test_sources or {})
+        self.split = split
+        self.eval_split = eval_split
+        self.layout = layout
+        self.prompt_key = prompt_key
+        self.answer_key = answer_key
+        self.system_prompt = system_prompt
+        self.prompts_per_step = prompts_per_step
+        self.max_prompt_length = max_prompt_length
+        self.num_train_examples = num_train_examples
+        self.num_val_examples = num_val_examples
+        self.val_prompts_per_batch = val_prompts_per_batch or prompts_per_step
+        self.seed = seed
+        self.num_workers = num_workers
+        self.tokenizer_name_or_path = tokenizer_name_or_path
+
+        self.tokenizer: Any = None
+        # Raw examples per (kind, name) and their tokenized, length-filtered version.
+        self._raw: dict[tuple[str, str], list[PromptExample]] = {}
+        self._encoded: dict[tuple[str, str], tuple[list[PromptExample], list[list[int]]]] = {}
+        # Data position: the next unseen training batch, and how many were consumed.
+        self._next_position: tuple[int, int] = (0, 0)
+        self._batches_consumed = 0
+        self._loaded_meta: dict[str, Any] | None = None
+        self._stream: PromptStream | None = None
+
+    # ------------------------------------------------------------------ names and tokenizer
+
+    @property
+    def val_names(self) -> list[str]:
+        """Names of the validation dataloaders, in dataloader_idx order."""
+        return list(self.val_sources)
+
+    @property
+    def test_names(self) -> list[str]:
+        """Names of the test dataloaders, in dataloader_idx order."""
+        return list(self.test_sources)
+
+    def set_tokenizer(self, tokenizer: Any) -> None:
+        """Use ``tokenizer`` for prompt ids (normally the model's); re-tokenizes if it changes."""
+        if tokenizer is not self.tokenizer:
+            self.tokenizer = tokenizer
+            self._encoded.clear()
+
+    def _resolve_tokenizer(self) -> Any:
+        if self.tokenizer is None and self.tokenizer_name_or_path:
+            self.set_tokenizer(_load_tokenizer(self.tokenizer_name_or_path))
+        if self.tokenizer is None and self.trainer is not None:
+            module_tokenizer = getattr(self.trainer.lightning_module, "tokenizer", None)
+            if module_tokenizer is not None:
+                self.set_tokenizer(module_tokenizer)
+        if self.tokenizer is None:
+            raise RuntimeError(
+                "PromptDataModule has no tokenizer: call datamodule.set_tokenizer(tokenizer), give the"
+                " LightningModule a `tokenizer` attribute, or set data.tokenizer_name_or_path"
+            )
+        return self.tokenizer
+
+    # ------------------------------------------------------------------ loading
+
+    def setup(self, stage: str | None = None) -> None:
+        """Load the raw examples the stage needs (``fit``: train + val; ``validate``; ``test``)."""
+        if stage in (None, "fit"):
+            self._load("train", "train")
+        if stage in (None, "fit", "validate"):
+            for name in self.val_sources:
+                self._load("val", name)
+        if stage in (None, "test"):
+            for name in self.test_sources:
+                self._load("test", name)
+        if self.tokenizer is None and self.trainer is not None:
+            module_tokenizer = getattr(self.trainer.lightning_module, "tokenizer", None)
+            if module_tokenizer is not None:
+                self.set_tokenizer(module_tokenizer)
+
+    def _source(self, kind: str, name: str) -> str:
+        if kind == "train":
+            return self.train_source
+        return (self.val_sources if kind == "val" else self.test_sources)[name]
+
+    def _load(self, kind: str, name: str) -> list[PromptExample]:
+        key = (kind, name)
+        if key not in self._raw:
+            source = self._source(kind, name)
+            if kind == "train":
+                examples = load_examples(
+                    source, self.split, self.layout, self.prompt_key, self.answer_key, limit=self.num_train_examples
+                )
+            else:
+                examples = load_examples(source, self.eval_split, limit=self.num_val_examples)
+            logger.info("%s set %r: %d examples from %s", kind, name, len(examples), source)
+            self._raw[key] = list(examples)
+        return self._raw[key]
+
+    def _prepared(self, kind: str, name: str) -> tuple[list[PromptExample], list[list[int]]]:
+        """Examples of one set with their prompt ids, prompts over ``max_prompt_length`` dropped."""
+        key = (kind, name)
+        if key not in self._encoded:
+            tokenizer = self._resolve_tokenizer()
+            raw = self._load(kind, name)
+            kept, ids, dropped = encode_prompts(tokenizer, raw, self.system_prompt, self.max_prompt_length)
+            if dropped:
+                logger.warning(
+                    "%s set %r: dropped %d of %d prompts longer than max_prompt_length=%d tokens",
+                    kind, name, dropped, len(raw), self.max_prompt_length,
+                )
+            if not kept:
+                raise ValueError(
+                    f"{kind} set {name!r}: every prompt is longer than max_prompt_length={self.max_prompt_length}"
+                )
+            self._encoded[key] = (kept, ids)
+        return self._encoded[key]
+
+    # ------------------------------------------------------------------ dataloaders
+
+    def _rank_world(self) -> tuple[int, int]:
+        if self.trainer is None:
+            return 0, 1
+        return int(self.trainer.global_rank), int(self.trainer.world_size)
+
+    def train_dataloader(self) -> DataLoader:
+        """The infinite training stream, starting at the current data position."""
+        examples, ids = self._prepared("train", "train")
+        rank, world_size = self._rank_world()
+        self._check_loaded_meta(len(examples), world_size)
+        self._stream = PromptStream(
+            examples, ids, self.prompts_per_step, self.seed, rank=rank, world_size=world_size,
+            start=self._next_position,
+        )
+        return _PromptStreamLoader(
+            self._stream,
+            get_start=lambda: self._next_position,
+            on_yield=self._mark_consumed if self._count_on_yield() else None,
+            num_workers=self.num_workers,
+        )
+
+    def _eval_loaders(self, kind: str, names: Sequence[str]) -> list[DataLoader]:
+        loaders = []
+        for name in names:
+            examples, ids = self._prepared(kind, name)
+            loaders.append(
+                DataLoader(
+                    list(range(len(examples))),
+                    batch_size=self.val_prompts_per_batch,
+                    shuffle=False,
+                    collate_fn=_EvalCollate(examples, ids),
+                    num_workers=self.num_workers,
+                )
+            )
+        return loaders
+
+    def val_dataloader(self) -> list[DataLoader]:
+        """One loader per ``val_sources`` entry, in order (empty list: no validation)."""
+        return self._eval_loaders("val", self.val_names)
+
+    def test_dataloader(self) -> list[DataLoader]:
+        """One loader per ``test_sources`` entry, in order."""
+        return self._eval_loaders("test", self.test_names)
+
+    # ------------------------------------------------------------------ data position
+
+    def _count_on_yield(self) -> bool:
+        """Count consumption at the loader (no trainer) or at the transfer hook (trainer)."""
+        if self.trainer is None:
+            return True
+        from lightning.pytorch.utilities.model_helpers import is_overridden
+
+        module = self.trainer.lightning_module
+        if module is not None and is_overridden("on_before_batch_transfer", module):
+            logger.warning(
+                "the LightningModule overrides on_before_batch_transfer, so PromptDataModule counts"
+                " consumed batches at the loader; a resumed run may skip the one prefetched batch"
+            )
+            return True
+        return False
+
+    def _mark_consumed(self, batch: Any) -> None:
+        position = getattr(batch, "position", None)
+        if position is None:
+            return
+        epoch, b = position
+        b += 1
+        if self._stream is not None and b >= self._stream.batches_per_epoch:
+            epoch, b = epoch + 1, 0
+        self._next_position = (epoch, b)
+        self._batches_consumed += 1
+
+    def on_before_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
+        """Count a training batch as consumed when the Trainer hands it to the training step."""
+        if self.trainer is not None and self.trainer.training:
+            self._mark_consumed(batch)
+        return batch
+
+    def state_dict(self) -> dict[str, Any]:
+        """Data position for checkpoints: the next unseen batch ``(epoch, batch_in_epoch)`` and counts."""
+        epoch, b = self._next_position
+        n = len(self._encoded[("train", "train")][0]) if ("train", "train") in self._encoded else None
+        return {
+            "epoch": epoch,
+            "batch_in_epoch": b,
+            "batches_consumed": self._batches_consumed,
+            "seed": self.seed,
+            "prompts_per_step": self.prompts_per_step,
+            "num_train_prompts": n,
+            "world_size": self._rank_world()[1],
+        }
+
+    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        """Restore the data position; the next training iteration starts at the next unseen batch."""
+        self._next_position = (int(state_dict["epoch"]), int(state_dict["batch_in_epoch"]))
+        self._batches_consumed = int(state_dict.get("batches_consumed", 0))
+        self._loaded_meta = dict(state_dict)
+
+    def _check_loaded_meta(self, num_prompts: int, world_size: int) -> None:
+        meta, self._loaded_meta = self._loaded_meta, None
+        if not meta:
+            return
+        now = {"seed": self.seed, "prompts_per_step": self.prompts_per_step, "num_train_prompts": num_prompts,
+               "world_size": world_size}
+        changed = {k: (meta.get(k), v) for k, v in now.items() if meta.get(k) is not None and meta.get(k) != v}
+        if changed:
+            logger.warning(
+                "resuming the data stream with changed settings %s (checkpoint → now); the training order"
+                " after resume differs from the original run",
+                changed,
+            )
+
+
+def _load_tokenizer(name_or_path: str) -> Any:
+    from qerl.tiny import TINY_MODEL_NAMES, build_tiny_tokenizer
+
+    if name_or_path in TINY_MODEL_NAMES:
+        return build_tiny_tokenizer()
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(name_or_path)

@@ -1,0 +1,488 @@
+"""Prompt data for math RL: load question/answer pairs and turn questions into chat prompt ids.
+
+Pure Python (no Lightning); `lightning_modules.data.PromptDataModule` wraps it for the Trainer.
+
+Sources (`load_examples`):
+
+* a local ``.jsonl`` / ``.json`` / ``.parquet`` file;
+* a local directory: ``<dir>/<split>.{jsonl,json,parquet}`` if present, else a
+  ``Dataset.save_to_disk`` folder, else anything ``datasets.load_dataset(<dir>)`` understands
+  (e.g. a downloaded Hugging Face dataset repo with ``data/<split>-*.parquet``);
+* a Hugging Face dataset id, optionally ``"id:config"`` (``"openai/gsm8k:main"``), loaded with
+  ``datasets.load_dataset(id, config, split=split)``;
+* ``"synthetic-arithmetic"``: generated "What is 7 + 5?" problems (no files, for smoke tests).
+
+Field layouts (`Layout`): ``gsm8k`` (``question`` + ``answer`` ending in ``#### 72``; the gold is
+the text after ``####`` without commas or ``$``), ``math`` (``problem`` + ``answer``, or the last
+``\\boxed{}`` of ``solution`` when there is no ``answer``), ``custom`` (``prompt_key`` +
+``answer_key``), and ``auto`` (detected from the first row whose keys match one of the above;
+explicit keys mean ``custom``). Every layout honours ``prompt_key``/``answer_key`` overrides.
+
+Bad rows (invalid JSON, missing or empty fields) are skipped with a warning naming the line/row,
+and counted (`LoadedExamples.num_skipped`); only a source with no usable row at all is an error.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import random
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_SYSTEM_PROMPT = "Please reason step by step, and put your final answer within \\boxed{}."
+SYNTHETIC_SOURCE = "synthetic-arithmetic"
+# Rows generated for `synthetic-arithmetic` when no limit is given.
+SYNTHETIC_DEFAULT_SIZE = 1024
+LOCAL_SUFFIXES = (".jsonl", ".json", ".parquet")
+Layout = Literal["auto", "gsm8k", "math", "custom"]
+_LAYOUTS = ("auto", "gsm8k", "math", "custom")
+# At most this many per-row warnings per load; the rest are only counted in the summary.
+_MAX_ROW_WARNINGS = 10
+
+
+@dataclass
+class PromptExample:
+    """One RL prompt: the question text, its parsed gold answer, and where it came from.
+
+    Attributes:
+        prompt: The question / problem text (the user message; no chat formatting).
+        answer: The gold answer, already parsed to a short string ("72", "\\frac{1}{2}").
+        source: The source string it was loaded from (path, dataset id or ``synthetic-arithmetic``).
+        index: The row's 0-based position in that source (malformed rows keep their index).
+    """
+
+    prompt: str
+    answer: str
+    source: str
+    index: int
+
+
+class LoadedExamples(list):
+    """A ``list[PromptExample]`` that also records how many source rows were skipped as malformed."""
+
+    def __init__(self, examples: Iterable[PromptExample] = (), num_rows: int = 0, num_skipped: int = 0):
+        super().__init__(examples)
+        self.num_rows = num_rows
+        self.num_skipped = num_skipped
+
+
+# ----------------------------------------------------------------------------------------------
+# Answer parsing
+# ----------------------------------------------------------------------------------------------
+
+
+def last_boxed(text: str) -> str | None:
+    """Content of the last closed ``\\boxed{...}`` (or ``\\fbox{...}``) with balanced braces, or None.
+
+    ``"... so $\\boxed{\\frac{1}{2}}$."`` → ``"\\frac{1}{2}"``. "Last" is the box that closes last, so
+    a nested box yields the outer one.
+    """
+    best: tuple[int, int] | None = None
+    for marker in ("\\boxed", "\\fbox"):
+        start = text.find(marker)
+        while start != -1:
+            i = start + len(marker)
+            while i < len(text) and text[i] == " ":
+                i += 1
+            if i < len(text) and text[i] == "{":
+                depth, j = 0, i
+                while j < len(text):
+                    ch = text[j]
+                    if ch == "\\":
+                        j += 2  # escaped char such as \{ or \}
+                        continue
+                    if ch == "{":
+                        depth += 1
+                    elif ch == "}":
+                        depth -= 1
+                        if depth == 0:
+                            if best is None or j > best[1]:
+                                best = (i + 1, j)
+                            break
+                    j += 1
+            start = text.find(marker, start + 1)
+    return None if best is None else text[best[0] : best[1]].strip()
+
+
+def parse_gsm8k_answer(answer: str) -> str:
+    """GSM8K gold: the text after the last ``####``, commas and ``$`` removed (``"#### 1,080"`` → ``"1080"``)."""
+    text = answer.rsplit("####", 1)[-1]
+    return text.replace(",", "").replace("$", "").strip()
+
+
+def _as_text(value: Any) -> str:
+    if value is None:
+        return ""
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
+    return str(value).strip()
+
+
+# ----------------------------------------------------------------------------------------------
+# Layouts
+# ----------------------------------------------------------------------------------------------
+
+
+class _BadRow(ValueError):
+    """A row that cannot become a PromptExample (missing/empty field)."""
+
+
+def detect_layout(row: Mapping[str, Any]) -> str | None:
+    """``"gsm8k"`` / ``"math"`` from a row's keys, or None if neither matches."""
+    if "question" in row and "answer" in row and "####" in _as_text(row["answer"]):
+        return "gsm8k"
+    if "problem" in row and ("answer" in row or "solution" in row):
+        return "math"
+    return None
+
+
+def _field(row: Mapping[str, Any], key: str) -> str:
+    if key not in row:
+        raise _BadRow(f"missing field {key!r} (row has {sorted(row)})")
+    text = _as_text(row[key])
+    if not text:
+        raise _BadRow(f"empty field {key!r}")
+    return text
+
+
+def _row_to_pair(row: Any, layout: str, prompt_key: str | None, answer_key: str | None) -> tuple[str, str]:
+    """(prompt, parsed answer) of one row in a resolved layout; raises _BadRow."""
+    if not isinstance(row, Mapping):
+        raise _BadRow(f"expected a JSON object, got {type(row).__name__}")
+    if layout == "gsm8k":
+        prompt = _field(row, prompt_key or "question")
+        answer = parse_gsm8k_answer(_field(row, answer_key or "answer"))
+    elif layout == "math":
+        prompt = _field(row, prompt_key or "problem")
+        if answer_key is not None:
+            raw = _field(row, answer_key)
+            answer = last_boxed(raw) or raw
+        elif _as_text(row.get("answer")):
+            answer = _as_text(row["answer"])
+        elif "solution" in row:
+            answer = last_boxed(_as_text(row["solution"])) or ""
+            if not answer:
+                raise _BadRow("no 'answer' field and no \\boxed{} in 'solution'")
+        else:
+            raise _BadRow(f"missing field 'answer' or 'solution' (row has {sorted(row)})")
+    elif layout == "custom":
+        if not prompt_key or not answer_key:
+            raise ValueError("layout='custom' needs both prompt_key and answer_key")
+        prompt = _field(row, prompt_key)
+        raw = _field(row, answer_key)
+        # A full worked solution is reduced to its final answer; a short answer is kept as is.
+        answer = parse_gsm8k_answer(raw) if "####" in raw else (last_boxed(raw) or raw)
+    else:
+        raise ValueError(f"unknown layout {layout!r}; use one of {_LAYOUTS}")
+    if not prompt:
+        raise _BadRow("empty prompt")
+    if not answer:
+        raise _BadRow("empty answer")
+    return prompt, answer
+
+
+# ----------------------------------------------------------------------------------------------
+# Reading rows
+# ----------------------------------------------------------------------------------------------
+
+# A raw row: (position in the source, what it is called in messages, the row or the parse error).
+_RawRow = tuple[int, str, Any]
+
+
+def _read_jsonl(path: Path) -> Iterator[_RawRow]:
+    index = 0
+    with open(path, encoding="utf-8") as f:
+        for lineno, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            try:
+                row: Any = json.loads(line)
+            except json.JSONDecodeError as e:
+                row = _BadRow(f"invalid JSON ({e.msg} at column {e.colno})")
+            yield index, f"{path}:{lineno}", row
+            index += 1
+
+
+def _read_json(path: Path) -> Iterator[_RawRow]:
+    text = path.read_text(encoding="utf-8")
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as e:
+        if e.msg == "Extra data":  # JSON Lines saved as .json (common on the Hub)
+            yield from _read_jsonl(path)
+            return
+        raise ValueError(f"{path}: not valid JSON ({e.msg} at line {e.lineno})") from None
+    if isinstance(data, Mapping):
+        lists = [v for v in data.values() if isinstance(v, list)]
+        if len(lists) != 1:
+            raise ValueError(f"{path}: expected a JSON list of rows (or an object holding exactly one list)")
+        data = lists[0]
+    if not isinstance(data, list):
+        raise ValueError(f"{path}: expected a JSON list of rows, got {type(data).__name__}")
+    for i, row in enumerate(data):
+        yield i, f"{path}[{i}]", row
+
+
+def _read_table(rows: Iterable[Any], name: str) -> Iterator[_RawRow]:
+    for i, row in enumerate(rows):
+        yield i, f"{name} row {i}", row
+
+
+def _read_parquet(path: Path) -> Iterator[_RawRow]:
+    import pyarrow.parquet as pq
+
+    yield from _read_table(pq.read_table(path).to_pylist(), str(path))
+
+
+def _pick_split(ds: Any, split: str, name: str) -> Any:
+    """A `datasets.Dataset` from a Dataset or DatasetDict."""
+    if isinstance(ds, Mapping):  # DatasetDict
+        if split not in ds:
+            raise ValueError(f"{name} has no split {split!r} (available: {sorted(ds.keys())})")
+        return ds[split]
+    return ds
+
+
+def _read_directory(path: Path, split: str) -> Iterator[_RawRow]:
+    for suffix in LOCAL_SUFFIXES:
+        candidate = path / f"{split}{suffix}"
+        if candidate.is_file():
+            yield from _read_file(candidate)
+            return
+    import datasets
+
+    if (path / "dataset_dict.json").is_file() or (path / "state.json").is_file():
+        ds = _pick_split(datasets.load_from_disk(str(path)), split, str(path))
+    else:
+        ds = datasets.load_dataset(str(path), split=split)
+    yield from _read_table(ds, str(path))
+
+
+def _read_file(path: Path) -> Iterator[_RawRow]:
+    suffix = path.suffix.lower()
+    if suffix == ".jsonl":
+        yield from _read_jsonl(path)
+    elif suffix == ".json":
+        yield from _read_json(path)
+    elif suffix == ".parquet":
+        yield from _read_parquet(path)
+    else:
+        raise ValueError(f"{path}: unsupported file type {suffix!r}; use one of {LOCAL_SUFFIXES}")
+
+
+def _looks_local(source: str) -> bool:
+    return (
+        source.lower().endswith(LOCAL_SUFFIXES)
+        or source.startswith(("/", "./", "../", "~"))
+        or os.sep != "/" and os.sep in source
+    )
+
+
+def _read_hub(source: str, split: str) -> Iterator[_RawRow]:
+    import datasets
+
+    dataset_id, _, config = source.partition(":")
+    ds = datasets.load_dataset(dataset_id, config or None, split=split)
+    yield from _read_table(_pick_split(ds, split, source), source)
+
+
+def _raw_rows(source: str, split: str) -> Iterator[_RawRow]:
+    path = Path(source).expanduser()
+    if path.is_dir():
+        yield from _read_directory(path, split)
+    elif path.is_file():
+        yield from _read_file(path)
+    elif _looks_local(source):
+        raise FileNotFoundError(f"data source not found: {path}")
+    else:
+        yield from _read_hub(source, split)
+
+
+# ----------------------------------------------------------------------------------------------
+# Public loaders
+# ----------------------------------------------------------------------------------------------
+
+
+def load_examples(
+    source: str,
+    split: str = "train",
+    layout: Layout = "auto",
+    prompt_key: str | None = None,
+    answer_key: str | None = None,
+    limit: int | None = None,
+) -> LoadedExamples:
+    """Load prompt/answer pairs from a file, directory, Hugging Face dataset id or the synthetic set.
+
+    Args:
+        source: A ``.jsonl``/``.json``/``.parquet`` path, a directory, a Hugging Face dataset id
+            (``"openai/gsm8k:main"`` selects config ``main``), or ``"synthetic-arithmetic"``.
+        split: Split to load from a directory or dataset id (``<dir>/<split>.jsonl`` etc.); a
+            single file is taken whole. For the synthetic set, the split picks the seed
+            (``train`` → 0, anything else → a different fixed seed), so val ≠ train.
+        layout: ``auto`` / ``gsm8k`` / ``math`` / ``custom`` (see the module docstring).
+        prompt_key: Field holding the question (required for ``custom``; overrides the default).
+        answer_key: Field holding the answer (required for ``custom``; overrides the default).
+        limit: Keep only the first ``limit`` usable examples (None: all).
+
+    Returns:
+        A list of `PromptExample` (a `LoadedExamples`, which also carries ``num_rows`` and
+        ``num_skipped``).
+
+    Raises:
+        FileNotFoundError: A local path that does not exist.
+        ValueError: Unknown layout, undetectable layout, or no usable row at all.
+    """
+    if layout not in _LAYOUTS:
+        raise ValueError(f"unknown layout {layout!r}; use one of {_LAYOUTS}")
+    if limit is not None and limit <= 0:
+        raise ValueError(f"limit must be positive or None, got {limit}")
+    if source == SYNTHETIC_SOURCE:
+        seed = 0 if split == "train" else 1 + sum(map(ord, split))
+        examples = synthetic_arithmetic(limit or SYNTHETIC_DEFAULT_SIZE, seed=seed)
+        return LoadedExamples(examples, num_rows=len(examples))
+
+    resolved: str | None = None
+    if layout != "auto":
+        resolved = layout
+    elif prompt_key and answer_key:
+        resolved = "custom"
+    examples = LoadedExamples()
+    num_rows = 0
+    errors: list[str] = []
+    for index, where, row in _raw_rows(source, split):
+        num_rows += 1
+        try:
+            if isinstance(row, _BadRow):
+                raise row
+            if resolved is None:
+                if not isinstance(row, Mapping):
+                    raise _BadRow(f"expected a JSON object, got {type(row).__name__}")
+                resolved = detect_layout(row)
+                if resolved is None:
+                    raise _BadRow(
+                        f"cannot detect the layout from keys {sorted(row)}; expected question+answer"
+                        " ('#### ...') or problem+answer/solution, or set layout='custom' with"
+                        " prompt_key/answer_key"
+                    )
+            prompt, answer = _row_to_pair(row, resolved, prompt_key, answer_key)
+        except _BadRow as e:
+            errors.append(f"{where}: {e}")
+            if len(errors) <= _MAX_ROW_WARNINGS:
+                logger.warning("skipping malformed row %s: %s", where, e)
+            continue
+        examples.append(PromptExample(prompt=prompt, answer=answer, source=source, index=index))
+        if limit is not None and len(examples) >= limit:
+            break
+    examples.num_rows = num_rows
+    examples.num_skipped = len(errors)
+    if not examples:
+        detail = f"; first error: {errors[0]}" if errors else ""
+        raise ValueError(f"no usable examples in {source!r} (split {split!r}): {num_rows} rows read{detail}")
+    if errors:
+        logger.warning(
+            "%s: skipped %d malformed of %d rows (%d shown above)",
+            source,
+            len(errors),
+            num_rows,
+            min(len(errors), _MAX_ROW_WARNINGS),
+        )
+    return examples
+
+
+def synthetic_arithmetic(n: int, seed: int, max_operand: int = 20) -> list[PromptExample]:
+    """``n`` problems like "What is 7 + 5?" (``+``, ``-``, ``*`` on 0..max_operand), answers ``str(int)``.
+
+    Deterministic in ``seed`` (Python's ``random.Random``; no global RNG is touched).
+    """
+    rng = random.Random(seed)
+    ops = {"+": lambda a, b: a + b, "-": lambda a, b: a - b, "*": lambda a, b: a * b}
+    out = []
+    for i in range(n):
+        a, b = rng.randint(0, max_operand), rng.randint(0, max_operand)
+        op = rng.choice("+-*")
+        prompt = f"What is {a} {op} {b}?"
+        out.append(PromptExample(prompt=prompt, answer=str(ops[op](a, b)), source=SYNTHETIC_SOURCE, index=i))
+    return out
+
+
+# ----------------------------------------------------------------------------------------------
+# Prompt token ids
+# ----------------------------------------------------------------------------------------------
+
+_warned_no_template = False
+
+
+def _messages(question: str, system_prompt: str | None) -> list[dict[str, str]]:
+    msgs = [{"role": "system", "content": system_prompt}] if system_prompt else []
+    return msgs + [{"role": "user", "content": question}]
+
+
+def _to_id_lists(encoded: Any) -> list[list[int]]:
+    """Normalise apply_chat_template/tokenizer output (list, nested list, BatchEncoding, tensor)."""
+    if isinstance(encoded, Mapping) or hasattr(encoded, "input_ids"):
+        encoded = encoded["input_ids"]
+    if hasattr(encoded, "tolist"):
+        encoded = encoded.tolist()
+    encoded = list(encoded)
+    if not encoded or isinstance(encoded[0], int):
+        return [[int(t) for t in encoded]]
+    return [[int(t) for t in ids] for ids in encoded]
+
+
+def _has_chat_template(tokenizer: Any) -> bool:
+    return bool(getattr(tokenizer, "chat_template", None))
+
+
+def _warn_no_template(tokenizer: Any) -> None:
+    global _warned_no_template
+    if not _warned_no_template:
+        _warned_no_template = True
+        logger.warning(
+            "tokenizer %s has no chat template; prompts are plain text 'system\\n\\nquestion\\n'",
+            getattr(tokenizer, "name_or_path", type(tokenizer).__name__),
+        )
+
+
+def _plain_text(question: str, system_prompt: str | None) -> str:
+    return f"{system_prompt}\n\n{question}\n" if system_prompt else f"{question}\n"
+
+
+def build_prompt_ids(tokenizer: Any, question: str, system_prompt: str | None) -> list[int]:
+    """Token ids of the chat prompt ``[system?, user]`` with the assistant turn opened.
+
+    Uses ``tokenizer.apply_chat_template(..., add_generation_prompt=True, tokenize=True)``; a
+    tokenizer without a chat template gets plain ``"system\\n\\nquestion\\n"`` text instead (one
+    warning per process). ``system_prompt`` None or empty means no system message.
+    """
+    if not _has_chat_template(tokenizer):
+        _warn_no_template(tokenizer)
+        return _to_id_lists(tokenizer(_plain_text(question, system_prompt))["input_ids"])[0]
+    messages = _messages(question, system_prompt)
+    encoded = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    return _to_id_lists(encoded)[0]
+
+
+def encode_prompts(
+    tokenizer: Any,
+    examples: Sequence[PromptExample],
+    system_prompt: str | None,
+    max_prompt_length: int | None = None,
+) -> tuple[list[PromptExample], list[list[int]], int]:
+    """`build_prompt_ids` for every example, dropping prompts longer than ``max_prompt_length`` tokens.
+
+    Returns ``(kept_examples, kept_prompt_ids, num_dropped)``; order is preserved.
+    """
+    kept: list[PromptExample] = []
+    kept_ids: list[list[int]] = []
+    for ex in examples:
+        ids = build_prompt_ids(tokenizer, ex.prompt, system_prompt)
+        if max_prompt_length is None or len(ids) <= max_prompt_length:
+            kept.append(ex)
+            kept_ids.append(ids)
+    return kept, kept_ids, len(examples) - len(kept)

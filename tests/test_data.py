@@ -1,0 +1,395 @@
+"""Prompt data: loaders and layouts (qerl.data) and the resumable PromptDataModule."""
+
+from __future__ import annotations
+
+import json
+import logging
+
+import pytest
+import torch
+
+from lightning_modules.data import BATCH_KEYS, PromptDataModule, epoch_permutation
+from qerl import data as qdata
+from qerl.data import (
+    DEFAULT_SYSTEM_PROMPT,
+    build_prompt_ids,
+    last_boxed,
+    load_examples,
+    parse_gsm8k_answer,
+    synthetic_arithmetic,
+)
+from qerl.tiny import build_tiny_tokenizer
+
+GSM8K_ROWS = [
+    {
+        "question": "Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May."
+        " How many clips did Natalia sell altogether in April and May?",
+        "answer": "Natalia sold 48/2 = <<48/2=24>>24 clips in May.\nNatalia sold 48+24 = <<48+24=72>>72 clips"
+        " altogether in April and May.\n#### 72",
+    },
+    {
+        "question": "A company pays $1,000 per worker per month for 1.08 workers per desk. What is the cost?",
+        "answer": "It costs 1000 * 1.08 = <<1000*1.08=1080>>1080 dollars.\n#### $1,080",
+    },
+    {"question": "Tom has -3 apples. How many?", "answer": "He has -3.\n#### -3"},
+]
+MATH_ROWS = [
+    {
+        "problem": "Convert the point $(0,3)$ in rectangular coordinates to polar coordinates.",
+        "solution": "We have $r = 3$, so the answer is $\\boxed{\\left( 3, \\frac{\\pi}{2} \\right)}.$",
+        "answer": "\\left( 3, \\frac{\\pi}{2} \\right)",
+        "subject": "Precalculus",
+        "level": 2,
+    },
+    {
+        # No `answer` field: the gold is the last \boxed{} of the solution (balanced braces).
+        "problem": "What is the probability that a fair coin lands heads?",
+        "solution": "There are $\\boxed{2}$ outcomes, one of them heads, so it is $\\boxed{\\frac{1}{2}}$.",
+    },
+]
+
+
+def write_jsonl(path, rows):
+    with open(path, "w", encoding="utf-8") as f:
+        for row in rows:
+            f.write((row if isinstance(row, str) else json.dumps(row)) + "\n")
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return build_tiny_tokenizer()
+
+
+# ------------------------------------------------------------------------------------------ parsing
+
+
+def test_answer_parsing_helpers():
+    assert parse_gsm8k_answer("blah\n#### 1,080") == "1080"
+    assert parse_gsm8k_answer("#### $ 5") == "5"
+    assert last_boxed("so $\\boxed{\\frac{1}{2}}$.") == "\\frac{1}{2}"
+    assert last_boxed("\\boxed{1} then \\boxed {x^{2}}") == "x^{2}"
+    assert last_boxed("\\boxed{a \\{ b \\}}") == "a \\{ b \\}"
+    assert last_boxed("\\boxed{unclosed") is None
+    assert last_boxed("no box") is None
+
+
+def test_gsm8k_layout(tmp_path):
+    path = write_jsonl(tmp_path / "gsm8k.jsonl", GSM8K_ROWS)
+    for layout in ("auto", "gsm8k"):
+        ex = load_examples(path, layout=layout)
+        assert [e.answer for e in ex] == ["72", "1080", "-3"]
+        assert ex[0].prompt == GSM8K_ROWS[0]["question"]
+        assert [e.index for e in ex] == [0, 1, 2]
+        assert all(e.source == path for e in ex)
+        assert ex.num_skipped == 0
+
+
+def test_math_layout_boxed_fallback(tmp_path):
+    path = write_jsonl(tmp_path / "math.jsonl", MATH_ROWS)
+    for layout in ("auto", "math"):
+        ex = load_examples(path, layout=layout)
+        assert [e.answer for e in ex] == ["\\left( 3, \\frac{\\pi}{2} \\right)", "\\frac{1}{2}"]
+        assert ex[1].prompt.startswith("What is the probability")
+
+
+def test_custom_layout_and_auto_failure(tmp_path):
+    rows = [{"prompt": "What is 2 + 2?", "solution": "4"}, {"prompt": "Half of 1?", "solution": "\\boxed{\\frac12}"}]
+    path = write_jsonl(tmp_path / "bigmath.jsonl", rows)
+    ex = load_examples(path, layout="custom", prompt_key="prompt", answer_key="solution")
+    assert [e.answer for e in ex] == ["4", "\\frac12"]
+    # Explicit keys with layout=auto mean custom.
+    assert [e.answer for e in load_examples(path, prompt_key="prompt", answer_key="solution")] == ["4", "\\frac12"]
+    with pytest.raises(ValueError, match="no usable examples"):
+        load_examples(path)  # keys match neither GSM8K nor MATH
+    with pytest.raises(ValueError, match="unknown layout"):
+        load_examples(path, layout="csv")
+
+
+def test_malformed_rows_are_skipped_and_counted(tmp_path, caplog):
+    rows = [
+        GSM8K_ROWS[0],
+        '{"question": "broken json", "answer": ',  # line 2: invalid JSON
+        {"question": "no answer here"},  # line 3: missing key
+        {"question": "   ", "answer": "#### 3"},  # line 4: empty prompt
+        "",  # blank lines are ignored, not errors
+        GSM8K_ROWS[1],
+    ]
+    path = write_jsonl(tmp_path / "mixed.jsonl", rows)
+    with caplog.at_level(logging.WARNING, logger="qerl.data"):
+        ex = load_examples(path)
+    assert [e.answer for e in ex] == ["72", "1080"]
+    assert ex.num_skipped == 3 and ex.num_rows == 5
+    assert [e.index for e in ex] == [0, 4]
+    text = caplog.text
+    assert f"{path}:2" in text and "invalid JSON" in text
+    assert f"{path}:3" in text and "missing field 'answer'" in text
+    assert f"{path}:4" in text
+    assert "skipped 3 malformed of 5 rows" in text
+
+
+def test_all_rows_bad_is_a_clear_error(tmp_path):
+    path = write_jsonl(tmp_path / "bad.jsonl", ["not json", '{"question": "q"}'])
+    with pytest.raises(ValueError, match="no usable examples.*first error"):
+        load_examples(path, layout="gsm8k")
+
+
+def test_missing_file_names_the_path(tmp_path):
+    missing = tmp_path / "nope" / "train.jsonl"
+    with pytest.raises(FileNotFoundError, match="nope/train.jsonl"):
+        load_examples(str(missing))
+
+
+def test_limit_keeps_first_usable_rows(tmp_path):
+    path = write_jsonl(tmp_path / "gsm8k.jsonl", GSM8K_ROWS)
+    assert [e.answer for e in load_examples(path, limit=2)] == ["72", "1080"]
+
+
+def test_json_and_parquet_and_directory_sources(tmp_path):
+    datasets = pytest.importorskip("datasets")
+    (tmp_path / "rows.json").write_text(json.dumps(MATH_ROWS))
+    assert [e.answer for e in load_examples(str(tmp_path / "rows.json"))][1] == "\\frac{1}{2}"
+
+    ds = datasets.Dataset.from_list(GSM8K_ROWS)
+    ds.to_parquet(str(tmp_path / "gsm8k.parquet"))
+    assert [e.answer for e in load_examples(str(tmp_path / "gsm8k.parquet"))] == ["72", "1080", "-3"]
+
+    # <dir>/<split>.jsonl
+    split_dir = tmp_path / "split_dir"
+    split_dir.mkdir()
+    write_jsonl(split_dir / "test.jsonl", GSM8K_ROWS[:2])
+    write_jsonl(split_dir / "train.jsonl", GSM8K_ROWS)
+    assert len(load_examples(str(split_dir), split="test")) == 2
+    assert len(load_examples(str(split_dir), split="train")) == 3
+
+    # Dataset.save_to_disk folder (DatasetDict → split is picked)
+    saved = tmp_path / "saved"
+    datasets.DatasetDict({"train": ds, "test": datasets.Dataset.from_list(MATH_ROWS)}).save_to_disk(str(saved))
+    assert [e.answer for e in load_examples(str(saved), split="test")][1] == "\\frac{1}{2}"
+
+    # A Hub-style repo folder (data/<split>-*.parquet) goes through datasets.load_dataset, offline.
+    repo = tmp_path / "repo"
+    (repo / "data").mkdir(parents=True)
+    ds.to_parquet(str(repo / "data" / "train-00000-of-00001.parquet"))
+    assert [e.answer for e in load_examples(str(repo), split="train")] == ["72", "1080", "-3"]
+
+
+def test_hub_id_with_config(monkeypatch):
+    datasets = pytest.importorskip("datasets")
+    calls = []
+
+    def fake_load_dataset(path, name=None, split=None, **kw):
+        calls.append((path, name, split))
+        return datasets.Dataset.from_list(GSM8K_ROWS)
+
+    monkeypatch.setattr(datasets, "load_dataset", fake_load_dataset)
+    ex = load_examples("openai/gsm8k:main", split="test")
+    assert calls == [("openai/gsm8k", "main", "test")]
+    assert [e.answer for e in ex] == ["72", "1080", "-3"] and ex[0].source == "openai/gsm8k:main"
+    load_examples("HuggingFaceH4/MATH-500", split="test", layout="gsm8k")
+    assert calls[-1] == ("HuggingFaceH4/MATH-500", None, "test")
+
+
+def test_synthetic_is_deterministic_by_seed():
+    a, b, c = synthetic_arithmetic(50, seed=1), synthetic_arithmetic(50, seed=1), synthetic_arithmetic(50, seed=2)
+    assert a == b and a != c
+    for ex in a:
+        assert ex.prompt.startswith("What is ") and ex.prompt.endswith("?")
+        assert ex.answer == str(eval(ex.prompt[len("What is ") : -1]))  # noqa: S307 (our own strings)
+    operands = [int(t) for ex in synthetic_arithmetic(200, seed=0, max_operand=5) for t in ex.prompt[8:-1].split()[::2]]
+    assert max(operands) == 5 and min(operands) == 0
+    # The synthetic *source*: train and test differ, each is stable.
+    assert load_examples("synthetic-arithmetic", limit=10) == load_examples("synthetic-arithmetic", limit=10)
+    assert load_examples("synthetic-arithmetic", limit=10) != load_examples("synthetic-arithmetic", "test", limit=10)
+    assert len(load_examples("synthetic-arithmetic")) == qdata.SYNTHETIC_DEFAULT_SIZE
+
+
+# ------------------------------------------------------------------------------------------ prompts
+
+
+def test_build_prompt_ids_uses_chat_template(tokenizer):
+    ids = build_prompt_ids(tokenizer, "What is 1 + 1?", DEFAULT_SYSTEM_PROMPT)
+    assert isinstance(ids, list) and all(type(t) is int for t in ids)
+    text = tokenizer.decode(ids)
+    assert text == (
+        f"<|im_start|>system\n{DEFAULT_SYSTEM_PROMPT}<|im_end|>\n"
+        "<|im_start|>user\nWhat is 1 + 1?<|im_end|>\n<|im_start|>assistant\n"
+    )
+    no_system = tokenizer.decode(build_prompt_ids(tokenizer, "Q?", None))
+    assert no_system == "<|im_start|>user\nQ?<|im_end|>\n<|im_start|>assistant\n"
+    assert "\\boxed{}" in DEFAULT_SYSTEM_PROMPT
+
+
+def test_build_prompt_ids_without_chat_template_warns_once(caplog, monkeypatch):
+    plain = build_tiny_tokenizer()
+    plain.chat_template = None
+    monkeypatch.setattr(qdata, "_warned_no_template", False)
+    with caplog.at_level(logging.WARNING, logger="qerl.data"):
+        first = build_prompt_ids(plain, "Q?", "S")
+        build_prompt_ids(plain, "Q2?", "S")
+    assert plain.decode(first) == "S\n\nQ?\n"
+    assert caplog.text.count("no chat template") == 1
+
+
+# ------------------------------------------------------------------------------------------ DataModule
+
+
+def make_dm(tokenizer, **kw):
+    kw.setdefault("prompts_per_step", 4)
+    kw.setdefault("num_train_examples", 30)
+    dm = PromptDataModule(**kw)
+    dm.set_tokenizer(tokenizer)
+    dm.setup("fit")
+    return dm
+
+
+def take(dm, n):
+    it = iter(dm.train_dataloader())
+    return [next(it) for _ in range(n)]
+
+
+def test_batch_format(tokenizer):
+    (batch,) = take(make_dm(tokenizer), 1)
+    assert isinstance(batch, dict) and set(batch) == set(BATCH_KEYS)
+    assert all(isinstance(batch[k], list) and len(batch[k]) == 4 for k in BATCH_KEYS)
+    for ids, prompt in zip(batch["prompt_ids"], batch["prompts"]):
+        assert ids == build_prompt_ids(tokenizer, prompt, DEFAULT_SYSTEM_PROMPT)
+    assert batch["sources"] == ["synthetic-arithmetic"] * 4
+
+
+def test_seeded_order_is_reproducible_and_cycles_epochs(tokenizer):
+    a = [b["indices"] for b in take(make_dm(tokenizer, seed=3), 20)]
+    b = [b["indices"] for b in take(make_dm(tokenizer, seed=3), 20)]
+    c = [b["indices"] for b in take(make_dm(tokenizer, seed=4), 20)]
+    assert a == b and a != c
+    # 30 prompts, 4 per batch → 7 batches (28 distinct prompts) per epoch, then a new permutation.
+    epoch0 = sum(a[:7], [])
+    assert len(set(epoch0)) == 28
+    assert sum(a[7:14], []) != epoch0
+    assert sum(a[7:14], []) == epoch_permutation(30, 3, 1)[:28].tolist()
+
+
+def test_length_filter_drops_long_prompts(tmp_path, tokenizer, caplog):
+    rows = [{"question": "Short?", "answer": "#### 1"}, {"question": "Long " * 100 + "?", "answer": "#### 2"}] * 4
+    path = write_jsonl(tmp_path / "g.jsonl", rows)
+    short_len = len(build_prompt_ids(tokenizer, "Short?", DEFAULT_SYSTEM_PROMPT))
+    with caplog.at_level(logging.WARNING, logger="lightning_modules.data"):
+        dm = make_dm(
+            tokenizer, train_source=path, val_sources={"g": path}, max_prompt_length=short_len + 10,
+            num_train_examples=None, prompts_per_step=2,
+        )
+        batches = take(dm, 4)
+        val = dm.val_dataloader()
+    assert {p for b in batches for p in b["prompts"]} == {"Short?"}
+    assert sum(len(b["prompts"]) for b in val[0]) == 4
+    assert "dropped 4 of 8 prompts longer than max_prompt_length" in caplog.text
+
+
+def test_resume_yields_next_unseen_batch(tokenizer):
+    original = take(make_dm(tokenizer, seed=7), 12)
+    dm = make_dm(tokenizer, seed=7)
+    take(dm, 3)
+    state = dm.state_dict()
+    assert state["batches_consumed"] == 3 and (state["epoch"], state["batch_in_epoch"]) == (0, 3)
+
+    resumed = make_dm(tokenizer, seed=7)
+    resumed.load_state_dict(state)
+    it = iter(resumed.train_dataloader())
+    assert next(it)["indices"] == original[3]["indices"]
+    # ...and keeps going across the epoch boundary (7 batches per epoch).
+    assert [next(it)["indices"] for _ in range(8)] == [b["indices"] for b in original[4:12]]
+    assert resumed.state_dict()["epoch"] == 1 and resumed.state_dict()["batches_consumed"] == 12
+
+
+def test_val_and_test_loaders_are_named_and_ordered(tmp_path, tokenizer):
+    g = write_jsonl(tmp_path / "gsm8k.jsonl", GSM8K_ROWS)
+    m = write_jsonl(tmp_path / "math.jsonl", MATH_ROWS)
+    dm = PromptDataModule(
+        val_sources={"math500": m, "gsm8k": g}, test_sources={"gsm8k": g}, val_prompts_per_batch=2,
+        num_val_examples=2,
+    )
+    dm.set_tokenizer(tokenizer)
+    dm.setup("fit")
+    dm.setup("test")
+    assert dm.val_names == ["math500", "gsm8k"] and dm.test_names == ["gsm8k"]
+    val = dm.val_dataloader()
+    assert [b["answers"] for b in val[0]] == [["\\left( 3, \\frac{\\pi}{2} \\right)", "\\frac{1}{2}"]]
+    assert [b["answers"] for b in val[1]] == [["72", "1080"]]
+    assert [b["indices"] for b in dm.test_dataloader()[0]] == [[0, 1]]
+    assert PromptDataModule().val_dataloader() == []
+
+
+def test_train_layout_keys_do_not_apply_to_eval_sets(tmp_path, tokenizer):
+    rows = [{"prompt": f"What is {i} + 1?", "solution": str(i + 1)} for i in range(4)]
+    train = write_jsonl(tmp_path / "bigmath.jsonl", rows)
+    eval_dir = tmp_path / "gsm8k"
+    eval_dir.mkdir()
+    write_jsonl(eval_dir / "validation.jsonl", GSM8K_ROWS)
+    dm = make_dm(
+        tokenizer, train_source=train, layout="custom", prompt_key="prompt", answer_key="solution",
+        val_sources={"gsm8k": str(eval_dir)}, eval_split="validation", prompts_per_step=2,
+    )
+    assert sorted(a for b in take(dm, 2) for a in b["answers"]) == ["1", "2", "3", "4"]
+    assert [a for b in dm.val_dataloader()[0] for a in b["answers"]] == ["72", "1080", "-3"]
+
+
+def test_missing_tokenizer_is_a_clear_error():
+    dm = PromptDataModule(num_train_examples=8)
+    dm.setup("fit")
+    with pytest.raises(RuntimeError, match="set_tokenizer"):
+        dm.train_dataloader()
+    dm = PromptDataModule(num_train_examples=8, tokenizer_name_or_path="tiny-qwen2", prompts_per_step=2)
+    dm.setup("fit")
+    assert len(take(dm, 1)[0]["prompt_ids"]) == 2
+
+
+# ------------------------------------------------------------------------------------------ Trainer
+
+
+def _trainer_run(tmp_path, tokenizer, max_steps, ckpt_path=None):
+    import lightning as L
+
+    class Recorder(L.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.zeros(1))
+            self.tokenizer = tokenizer  # found by PromptDataModule.setup
+            self.seen = []
+            self.val_seen = []
+
+        def training_step(self, batch, batch_idx):
+            assert set(batch) == set(BATCH_KEYS)
+            self.seen.append(batch["indices"])
+            return (self.w - 1).pow(2).sum()
+
+        def validation_step(self, batch, batch_idx, dataloader_idx=0):
+            self.val_seen.append((self.trainer.datamodule.val_names[dataloader_idx], batch["answers"]))
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    val = write_jsonl(tmp_path / "val.jsonl", GSM8K_ROWS)
+    dm = PromptDataModule(val_sources={"gsm8k": val}, num_train_examples=30, prompts_per_step=4, seed=5)
+    module = Recorder()
+    trainer = L.Trainer(
+        max_steps=max_steps, val_check_interval=4, check_val_every_n_epoch=None, num_sanity_val_steps=0,
+        accelerator="cpu", devices=1, logger=False, enable_progress_bar=False, enable_model_summary=False,
+        default_root_dir=str(tmp_path), enable_checkpointing=False,
+    )
+    trainer.fit(module, datamodule=dm, ckpt_path=ckpt_path)
+    return trainer, module, dm
+
+
+def test_trainer_resume_continues_the_stream(tmp_path, tokenizer):
+    _, full, _ = _trainer_run(tmp_path / "full", tokenizer, max_steps=9)
+    assert len(full.seen) == 9
+    assert full.val_seen and full.val_seen[0] == ("gsm8k", ["72", "1080", "-3"])
+
+    trainer, first, dm = _trainer_run(tmp_path / "a", tokenizer, max_steps=5)
+    # Lightning prefetches one batch; the position must count only the 5 trained batches.
+    assert dm.state_dict()["batches_consumed"] == 5
+    ckpt = str(tmp_path / "a" / "step5.ckpt")
+    trainer.save_checkpoint(ckpt)
+    _, second, _ = _trainer_run(tmp_path / "b", tokenizer, max_steps=9, ckpt_path=ckpt)
+    assert first.seen + second.seen == full.seen
