@@ -47,6 +47,39 @@ def _parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
     return table[dtype]
 
 
+def _load_error(name_or_path: str, err: Exception) -> ValueError:
+    first_line = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+    return ValueError(
+        f"cannot load model {name_or_path!r}: not a tiny model name ({', '.join(TINY_MODEL_NAMES)}), "
+        f"a local model directory, a .gguf file, or a reachable Hugging Face id ({first_line})"
+    )
+
+
+def _split_gguf(name_or_path: str) -> tuple[str, dict]:
+    """(folder or id, extra from_pretrained kwargs) for a model path that may be a .gguf file."""
+    if not name_or_path.endswith(".gguf"):
+        return name_or_path, {}
+    if not os.path.isfile(name_or_path):
+        raise FileNotFoundError(f"GGUF file not found: {name_or_path}")
+    folder, gguf_file = os.path.split(os.path.abspath(name_or_path))
+    return folder, {"gguf_file": gguf_file}
+
+
+def load_tokenizer(name_or_path: str) -> PreTrainedTokenizerBase:
+    """The model's tokenizer alone (cheap: the DataModule needs it before the model is built)."""
+    if name_or_path in TINY_MODEL_NAMES:
+        return build_tiny_tokenizer()
+    source, extra = _split_gguf(name_or_path)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(source, **extra)
+    except (OSError, ValueError) as err:
+        raise _load_error(name_or_path, err) from err
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    tokenizer.padding_side = "left"
+    return tokenizer
+
+
 def load_base_model(
     name_or_path: str, dtype: str | torch.dtype = "bf16", seed: int = 0
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
@@ -55,25 +88,13 @@ def load_base_model(
     if name_or_path in TINY_MODEL_NAMES:
         arch = name_or_path.split("-", 1)[1]
         return build_tiny_model(arch, seed=seed, dtype=dtype), build_tiny_tokenizer()
-    if name_or_path.endswith(".gguf") and not os.path.isfile(name_or_path):
-        raise FileNotFoundError(f"GGUF file not found: {name_or_path}")
+    tokenizer = load_tokenizer(name_or_path)
+    source, extra = _split_gguf(name_or_path)
     try:
-        if name_or_path.endswith(".gguf"):
-            folder, gguf_file = os.path.split(os.path.abspath(name_or_path))
-            tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=gguf_file)
-            model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=gguf_file, dtype=dtype)
-        else:
-            tokenizer = AutoTokenizer.from_pretrained(name_or_path)
-            model = AutoModelForCausalLM.from_pretrained(name_or_path, dtype=dtype)
+        model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, **extra)
     except (OSError, ValueError) as err:
-        first_line = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-        raise ValueError(
-            f"cannot load model {name_or_path!r}: not a tiny model name ({', '.join(TINY_MODEL_NAMES)}), "
-            f"a local model directory, a .gguf file, or a reachable Hugging Face id ({first_line})"
-        ) from err
-    if tokenizer.pad_token is None:
-        tokenizer.pad_token = tokenizer.eos_token
-    tokenizer.padding_side = "left"
+        raise _load_error(name_or_path, err) from err
+    # transformers' GGUF loader keeps a quantization_config that blocks save_pretrained (DESIGN.md).
     return model.eval(), tokenizer
 
 

@@ -1,0 +1,120 @@
+"""AQNCallback: sets the adaptive-quantization-noise σ for each step and logs what it did.
+
+At every rollout batch (before anything is generated) it asks the noise controller for σ given the
+global step and the monitor state (recent mean rewards and entropies), draws one noise sample
+seeded by (seed, global_step) into the noisy norms, and logs ``aqn/sigma``, ``aqn/stage``,
+``aqn/fraction_changed`` (share of norm channels whose applied scale really changed: a silent
+no-op shows as 0) and the controller's decisions (``aqn/plateau``, ``aqn/boost``). The same draw
+is used by the rollout and, with ``apply_to: both``, by that step's training forwards; with
+``apply_to: rollout`` (the paper's choice) training runs clean and truncated IS corrects the
+mismatch. Noise is always off for the reference (KL) pass and for validation/test.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import lightning as L
+
+from qerl.aqn import ExponentialSchedule, MonitorState, NoiseController, attach_noisy_norms
+
+
+class AQNCallback(L.Callback):
+    """Adaptive Quantization Noise on the RMSNorm scales.
+
+    Args:
+        controller: the noise controller (``qerl.aqn`` class by ``class_path``; default: the paper's
+            exponential schedule, 10 stages, 1e-2 → 5e-4).
+        apply_to: rollout (generation only, as in the paper; needs TIS) or both (rollout and training).
+        module_names: norms that receive noise, matched by the end of their module name.
+        seed: noise seed; the draw for a step depends only on (seed, global_step).
+        history: how many recent steps of reward/entropy the controller sees.
+    """
+
+    def __init__(
+        self,
+        controller: NoiseController | None = None,
+        apply_to: Literal["rollout", "both"] = "both",
+        module_names: list[str] | None = None,
+        seed: int = 0,
+        history: int = 200,
+    ):
+        self.controller = controller if controller is not None else ExponentialSchedule()
+        self.apply_to = apply_to
+        self.module_names = module_names or ["input_layernorm", "post_attention_layernorm"]
+        self.seed = seed
+        self.history = history
+        self.monitor = MonitorState()
+        self._prepared_step = -1
+        self._eval_context = None
+
+    def on_fit_start(self, trainer, pl_module) -> None:
+        if pl_module.noisy_norms is None:
+            pl_module.noisy_norms = attach_noisy_norms(pl_module.model, self.module_names)
+        pl_module.aqn_apply_to = self.apply_to
+        self.monitor.max_steps = max(1, trainer.max_steps)
+
+    def prepare_step(self, trainer, pl_module) -> None:
+        """Set σ for the current global step (idempotent; the RolloutCallback calls it first)."""
+        step = trainer.global_step
+        if step == self._prepared_step or pl_module.noisy_norms is None:
+            return
+        self._prepared_step = step
+        sigma = float(self.controller.sigma(step, self.monitor))
+        pl_module.noisy_norms.set_noise(sigma, self.seed, step)
+        metrics = {
+            "aqn/sigma": sigma,
+            "aqn/stage": float(self.controller.stage(step)),
+            "aqn/fraction_changed": pl_module.noisy_norms.fraction_changed(),
+        }
+        metrics.update({f"aqn/{k}": float(v) for k, v in self.controller.last_decision.items()})
+        pl_module.log_dict(metrics, on_step=True, on_epoch=False, batch_size=1)
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        self.prepare_step(trainer, pl_module)
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        """Feed the state monitor with this step's mean reward and entropy."""
+        rollout = batch.get("rollout") if isinstance(batch, dict) else None
+        if rollout is not None:
+            self.monitor.rewards.append(float(rollout.rewards.float().mean()))
+        entropy = trainer.callback_metrics.get("train/entropy")
+        if entropy is not None:
+            self.monitor.entropies.append(float(entropy))
+        self.monitor.rewards = self.monitor.rewards[-self.history:]
+        self.monitor.entropies = self.monitor.entropies[-self.history:]
+
+    # evaluation never sees noise
+    def _noise_off(self, pl_module) -> None:
+        if pl_module.noisy_norms is not None and self._eval_context is None:
+            self._eval_context = pl_module.noisy_norms.disable()
+            self._eval_context.__enter__()
+
+    def _noise_restore(self) -> None:
+        if self._eval_context is not None:
+            self._eval_context.__exit__(None, None, None)
+            self._eval_context = None
+
+    def on_validation_start(self, trainer, pl_module) -> None:
+        self._noise_off(pl_module)
+
+    def on_validation_end(self, trainer, pl_module) -> None:
+        self._noise_restore()
+
+    def on_test_start(self, trainer, pl_module) -> None:
+        self._noise_off(pl_module)
+
+    def on_test_end(self, trainer, pl_module) -> None:
+        self._noise_restore()
+
+    def state_dict(self) -> dict:
+        return {
+            "controller": self.controller.state_dict(),
+            "rewards": list(self.monitor.rewards),
+            "entropies": list(self.monitor.entropies),
+        }
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        self.controller.load_state_dict(state_dict.get("controller", {}))
+        self.monitor.rewards = list(state_dict.get("rewards", []))
+        self.monitor.entropies = list(state_dict.get("entropies", []))

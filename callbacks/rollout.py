@@ -1,0 +1,189 @@
+"""RolloutCallback: before each training step, sync the policy into the engine, sample G completions
+per prompt, score them, and attach a ``Rollout`` to the batch.
+
+Order inside ``on_train_batch_start``: AQN sets σ for this step (if an ``AQNCallback`` is present,
+whatever its position in the callback list) → ``engine.sync`` (LoRA + noisy norm scales) →
+``engine.generate`` → decode → reward → optional DAPO overlong shaping → optional DAPO dynamic
+sampling (drop groups whose rewards are all equal, refill with fresh prompts up to a cap) →
+``batch["rollout"]``. Every ``log_completions_every_n_steps`` a markdown table of a few prompts,
+completions, extracted answers and rewards goes to TensorBoard's Text tab (``completions``).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Literal
+
+import lightning as L
+import torch
+from lightning.pytorch.loggers import TensorBoardLogger
+
+from qerl.losses import groups_with_signal, overlong_penalty
+from qerl.rewards import MathAccuracy, RewardFunction, extract_answer
+from qerl.rollout import Rollout, RolloutEngine, SamplingSettings, pad_left, pad_right
+
+
+class RolloutCallback(L.Callback):
+    """Generates and scores the rollout of every training step.
+
+    Args:
+        reward: the reward function (a ``qerl.rewards`` class by ``class_path``; default math-verify accuracy).
+        group_size: completions sampled per prompt (G).
+        sampling: temperature, top-p, top-k, max_new_tokens.
+        engine: hf (the training model itself, works on CPU) or vllm (colocated; GPU).
+        max_batch_size: sequences decoded together by the hf engine.
+        dynamic_sampling: DAPO: drop groups whose rewards are all equal and refill from fresh prompts.
+        max_refill_rounds: at most this many extra generation rounds per step for dynamic sampling.
+        overlong_buffer: DAPO soft overlong punishment over the last this-many tokens (0 = off).
+        overlong_penalty: the penalty reached at max_new_tokens.
+        log_completions_every_n_steps: how often to write the completions table (0 = never).
+        num_completions_to_log: rows in that table.
+        seed: base seed of the sampler (combined with the global step).
+    """
+
+    def __init__(
+        self,
+        reward: RewardFunction | None = None,
+        group_size: int = 8,
+        sampling: SamplingSettings | None = None,
+        engine: Literal["hf", "vllm"] = "hf",
+        max_batch_size: int = 64,
+        dynamic_sampling: bool = False,
+        max_refill_rounds: int = 2,
+        overlong_buffer: int = 0,
+        overlong_penalty: float = 1.0,
+        log_completions_every_n_steps: int = 10,
+        num_completions_to_log: int = 4,
+        seed: int = 0,
+    ):
+        self.reward = reward or MathAccuracy()
+        self.group_size = group_size
+        self.sampling = sampling or SamplingSettings()
+        self.engine_name = engine
+        self.max_batch_size = max_batch_size
+        self.dynamic_sampling = dynamic_sampling
+        self.max_refill_rounds = max_refill_rounds
+        self.overlong_buffer = overlong_buffer
+        self.overlong_penalty = overlong_penalty
+        self.log_every = log_completions_every_n_steps
+        self.num_to_log = num_completions_to_log
+        self.seed = seed
+        self.engine: RolloutEngine | None = None  # never an nn.Module attribute: not moved, not checkpointed
+
+    def make_engine(self, pl_module) -> RolloutEngine:
+        tok = pl_module.tokenizer
+        stop = [tok.eos_token_id]
+        gen_eos = getattr(getattr(pl_module.model, "generation_config", None), "eos_token_id", None)
+        stop += gen_eos if isinstance(gen_eos, list) else ([gen_eos] if gen_eos is not None else [])
+        if self.engine_name == "hf":
+            from qerl.rollout.hf import HFEngine
+
+            return HFEngine(stop, tok.pad_token_id, self.max_batch_size)
+        raise ValueError(f"rollout engine {self.engine_name!r} is not available in this build; use 'hf'")
+
+    def on_fit_start(self, trainer, pl_module) -> None:
+        if self.engine is None:  # created lazily: never at import or --print_config
+            self.engine = self.make_engine(pl_module)
+
+    # ------------------------------------------------------------------ the rollout
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        for cb in trainer.callbacks:  # AQN decides this step's noise before anything is generated
+            if hasattr(cb, "prepare_step"):
+                cb.prepare_step(trainer, pl_module)
+        step = trainer.global_step
+        prompt_ids, prompts, answers = list(batch["prompt_ids"]), list(batch["prompts"]), list(batch["answers"])
+        target_groups = len(prompt_ids)
+        t0 = time.perf_counter()
+        norm_scales = pl_module.noisy_norms.effective_scales() if pl_module.noisy_norms is not None else None
+        self.engine.sync(pl_module.model, norm_scales)
+        timings = {"sync": time.perf_counter() - t0, "generate": 0.0, "reward": 0.0}
+
+        kept, dropped = self._sample_groups(prompt_ids, prompts, answers, pl_module, step, 0, timings)
+        for round_ in range(1, self.max_refill_rounds + 1):
+            if not self.dynamic_sampling or len(kept) >= target_groups:
+                break
+            extra = self._draw_extra_prompts(trainer, target_groups, step * 100 + round_)
+            if extra is None:
+                break
+            more, more_dropped = self._sample_groups(*extra, pl_module, step, round_, timings)
+            kept += more
+            dropped += more_dropped
+        if self.dynamic_sampling:
+            if not kept:  # nothing has signal: train on the original batch (its advantages are 0)
+                kept, dropped = dropped[:target_groups], []
+            kept = kept[:target_groups]
+        batch["rollout"] = self._to_rollout(kept, len(dropped) if self.dynamic_sampling else 0, pl_module, timings)
+        self._maybe_log_table(trainer, batch["rollout"], step)
+
+    def _sample_groups(self, prompt_ids, prompts, answers, pl_module, step, round_, timings):
+        """Generate G completions per prompt and score them; returns (kept groups, dropped groups)."""
+        G, tok = self.group_size, pl_module.tokenizer
+        t0 = time.perf_counter()
+        gen = self.engine.generate(prompt_ids, G, self.sampling, seed=(self.seed * 1_000_003 + step) * 16 + round_)
+        timings["generate"] += time.perf_counter() - t0
+        t0 = time.perf_counter()
+        texts = tok.batch_decode(gen.completion_ids, skip_special_tokens=True)
+        gold = [a for a in answers for _ in range(G)]
+        rewards = torch.tensor(self.reward(texts, gold), dtype=torch.float32)  # (B*G,)
+        components = {k: torch.tensor(v, dtype=torch.float32) for k, v in self.reward.last_components.items()}
+        truncated = torch.tensor([r == "length" for r in gen.finish_reasons])
+        if self.overlong_buffer > 0:
+            lengths = torch.tensor([len(c) for c in gen.completion_ids])
+            penalty = overlong_penalty(lengths, self.sampling.max_new_tokens, self.overlong_buffer, self.overlong_penalty)
+            rewards = rewards + penalty
+            components["overlong"] = penalty
+        timings["reward"] += time.perf_counter() - t0
+        signal = groups_with_signal(rewards, G) if self.dynamic_sampling else torch.ones(len(prompt_ids), dtype=torch.bool)
+        kept, dropped = [], []
+        for b in range(len(prompt_ids)):
+            rows = slice(b * G, (b + 1) * G)
+            group = dict(prompt_ids=prompt_ids[b], prompt=prompts[b], answer=answers[b],
+                         completion_ids=gen.completion_ids[rows], logprobs=gen.sampler_logprobs[rows],
+                         texts=texts[rows], rewards=rewards[rows], truncated=truncated[rows],
+                         components={k: v[rows] for k, v in components.items()})
+            (kept if bool(signal[b]) else dropped).append(group)
+        return kept, dropped
+
+    @staticmethod
+    def _draw_extra_prompts(trainer, num_prompts: int, seed: int):
+        dm = trainer.datamodule
+        if dm is None or not hasattr(dm, "draw_extra"):
+            return None
+        extra = dm.draw_extra(num_prompts, seed)
+        return list(extra["prompt_ids"]), list(extra["prompts"]), list(extra["answers"])
+
+    def _to_rollout(self, groups, num_dropped, pl_module, timings) -> Rollout:
+        G, tok = self.group_size, pl_module.tokenizer
+        prompt_rows = [g["prompt_ids"] for g in groups for _ in range(G)]
+        completions = [c for g in groups for c in g["completion_ids"]]
+        prompt_ids, prompt_mask = pad_left(prompt_rows, tok.pad_token_id)
+        completion_ids, completion_mask = pad_right(completions, tok.pad_token_id)
+        sampler_logprobs, _ = pad_right([lp for g in groups for lp in g["logprobs"]], 0.0, dtype=torch.float32)
+        names = groups[0]["components"].keys()
+        return Rollout(
+            prompt_ids=prompt_ids, prompt_mask=prompt_mask,
+            completion_ids=completion_ids, completion_mask=completion_mask,
+            sampler_logprobs=sampler_logprobs,
+            rewards=torch.cat([g["rewards"] for g in groups]),
+            reward_components={k: torch.cat([g["components"][k] for g in groups]) for k in names},
+            truncated=torch.cat([g["truncated"] for g in groups]),
+            group_size=G, temperature=self.sampling.temperature, max_new_tokens=self.sampling.max_new_tokens,
+            prompts=[g["prompt"] for g in groups for _ in range(G)],
+            completions=[t for g in groups for t in g["texts"]],
+            answers=[g["answer"] for g in groups for _ in range(G)],
+            timings=timings, num_groups_dropped=num_dropped,
+        )
+
+    def _maybe_log_table(self, trainer, rollout: Rollout, step: int) -> None:
+        if self.log_every <= 0 or step % self.log_every or not trainer.is_global_zero:
+            return
+        logger = next((lg for lg in trainer.loggers if isinstance(lg, TensorBoardLogger)), None)
+        if logger is None:
+            return
+        cell = lambda s: str(s).replace("|", "\\|").replace("\n", "<br>")[:1000]  # noqa: E731
+        rows = ["| prompt | completion | extracted | gold | reward |", "|---|---|---|---|---|"]
+        for i in range(0, min(len(rollout.completions), self.num_to_log * self.group_size), self.group_size):
+            rows.append(f"| {cell(rollout.prompts[i])} | {cell(rollout.completions[i])} | "
+                        f"{cell(extract_answer(rollout.completions[i]))} | {cell(rollout.answers[i])} | "
+                        f"{float(rollout.rewards[i]):.3f} |")
+        logger.experiment.add_text("completions", "\n".join(rows), global_step=step)

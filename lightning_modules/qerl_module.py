@@ -1,0 +1,336 @@
+"""QeRLModule: GRPO / DAPO / Dr.GRPO on a frozen (NVFP4 or bf16) base with LoRA, manual optimization.
+
+One ``training_step`` per rollout batch. The ``RolloutCallback`` has already generated and scored
+``G`` completions per prompt and attached them as ``batch["rollout"]``; the step then reads top to
+bottom:
+
+1. group-normalized advantages (group std, batch std, or none);
+2. no-grad passes: old log-probs (only when there is more than one update per rollout; otherwise
+   the live log-probs *are* the old ones) and reference log-probs with the adapter disabled and
+   AQN noise off (only when ``kl_coef > 0``);
+3. ``updates_per_rollout`` optimizer steps, each accumulating gradients over micro-batches of the
+   clipped surrogate (separate low/high clip), k3 KL, truncated importance sampling against the
+   sampler's log-probs, aggregated as grpo / bnpo / dapo / dr_grpo; then clip, step, schedule.
+
+x-axes: every ``train/*`` and ``time/*`` scalar is logged once per rollout batch at
+``trainer.global_step``, which counts optimizer steps (it grows by ``updates_per_rollout`` per
+batch). Checkpoints hold only trainable parameters (LoRA, optional norms), optimizer, scheduler and
+callback state; the frozen base is rebuilt from ``model`` on resume.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+import time
+from dataclasses import dataclass
+from typing import Literal
+
+import lightning as L
+import torch
+from lightning.pytorch.utilities import rank_zero_warn
+
+from qerl.losses import group_advantages, policy_loss, selective_log_softmax, entropy_from_logits, masked_mean
+from qerl.losses import truncated_is_weights
+from qerl.model import LoraSettings, load_policy, load_tokenizer
+from qerl.rollout import Rollout
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class LossSettings:
+    """The RL objective.
+
+    Args:
+        advantage_scale: divide (r - group mean) by the group std, the batch std, or nothing (Dr.GRPO).
+        aggregation: grpo (mean per sequence, then over sequences), bnpo (token mean per micro-batch),
+            dapo (token mean over the whole rollout batch), dr_grpo (sum / (N * max_new_tokens)).
+        clip_low: ratio lower clip epsilon (1 - clip_low).
+        clip_high: ratio upper clip epsilon (1 + clip_high); 0.28 is DAPO's clip-higher.
+        kl_coef: weight of the k3 KL to the reference (adapter disabled, no noise); 0 skips that pass.
+        updates_per_rollout: optimizer steps per rollout batch (QeRL GSM8K: 4; BigMath: 1).
+        micro_batch_size: completions per forward/backward (gradient accumulation inside an update).
+        tis_level: importance weights per token or per sequence (trainer vs sampler log-probs).
+        tis_mode: truncate (TIS: min(w, cap)) or mask (MIS: drop tokens with w > cap).
+        tis_cap: the cap; null disables importance-sampling correction.
+        mask_truncated: exclude completions that hit max_new_tokens from the loss (DAPO overlong filtering).
+    """
+
+    advantage_scale: Literal["group", "batch", "none"] = "group"
+    aggregation: Literal["grpo", "bnpo", "dapo", "dr_grpo"] = "grpo"
+    clip_low: float = 0.2
+    clip_high: float = 0.2
+    kl_coef: float = 0.0
+    updates_per_rollout: int = 1
+    micro_batch_size: int = 8
+    tis_level: Literal["token", "sequence"] = "token"
+    tis_mode: Literal["truncate", "mask"] = "truncate"
+    tis_cap: float | None = 2.0
+    mask_truncated: bool = False
+
+
+@dataclass
+class OptimizerSettings:
+    """AdamW and its learning-rate schedule (QeRL: lr 1e-5, betas (0.9, 0.99), wd 0.1, 10% warmup, cosine).
+
+    Args:
+        lr: peak learning rate.
+        weight_decay: decoupled weight decay.
+        betas: AdamW betas.
+        warmup_ratio: fraction of ``trainer.max_steps`` spent warming up linearly from 0.
+        schedule: shape after warmup: cosine to 0, linear to 0, or constant.
+        max_grad_norm: gradient clipping threshold (total L2 norm).
+    """
+
+    lr: float = 1e-5
+    weight_decay: float = 0.1
+    betas: tuple[float, float] = (0.9, 0.99)
+    warmup_ratio: float = 0.1
+    schedule: Literal["cosine", "linear", "constant"] = "cosine"
+    max_grad_norm: float = 0.2
+
+
+def lr_factor(step: int, total: int, warmup_ratio: float, schedule: str) -> float:
+    """Multiplier of the peak LR at optimizer step ``step`` of ``total``."""
+    warmup = int(warmup_ratio * total)
+    if step < warmup:
+        return (step + 1) / (warmup + 1)
+    progress = min(1.0, (step - warmup) / max(1, total - warmup))
+    if schedule == "cosine":
+        return 0.5 * (1.0 + math.cos(math.pi * progress))
+    if schedule == "linear":
+        return 1.0 - progress
+    return 1.0
+
+
+class QeRLModule(L.LightningModule):
+    """The policy (frozen NVFP4/bf16 base + LoRA) and the RL update.
+
+    Args:
+        model: tiny-qwen2 | tiny-llama (built in code), a local directory, a Hugging Face id, or a .gguf file.
+        quantization: nvfp4 (QeRL) or bf16 (16-bit LoRA baseline) for the decoder linears.
+        dtype: dtype of everything that is not NVFP4 (embeddings, norms, lm_head, activations).
+        lora: adapter settings.
+        loss: the RL objective.
+        optimizer: AdamW and LR schedule.
+        gradient_checkpointing: recompute activations in backward (long completions on big models).
+        seed: seeds the tiny model's random init (real models ignore it).
+        warn_after_steps: warn when reward std is 0 or >= 90% of completions are truncated this many steps in a row.
+    """
+
+    def __init__(
+        self,
+        model: str = "tiny-qwen2",
+        quantization: Literal["bf16", "nvfp4"] = "nvfp4",
+        dtype: Literal["bf16", "fp32", "fp16"] = "bf16",
+        lora: LoraSettings | None = None,
+        loss: LossSettings | None = None,
+        optimizer: OptimizerSettings | None = None,
+        gradient_checkpointing: bool = False,
+        seed: int = 0,
+        warn_after_steps: int = 5,
+    ):
+        super().__init__()
+        self.save_hyperparameters()
+        self.automatic_optimization = False
+        self.strict_loading = False  # checkpoints hold only the trainable params
+        self.model_name, self.quantization, self.dtype_name, self.seed = model, quantization, dtype, seed
+        self.lora_settings = lora or LoraSettings()
+        self.loss_settings = loss or LossSettings()
+        self.optim_settings = optimizer or OptimizerSettings()
+        self.gradient_checkpointing = gradient_checkpointing
+        self.warn_after_steps = warn_after_steps
+        self.model: torch.nn.Module | None = None
+        self._tokenizer = None
+        # Set by AQNCallback: the noisy norms and whether training forwards see the noise too.
+        self.noisy_norms = None
+        self.aqn_apply_to: Literal["rollout", "both"] = "both"
+        self._streaks = {"zero_std": 0, "truncated": 0}
+
+    # ---------------------------------------------------------------- model
+    @property
+    def tokenizer(self):
+        """Loaded on first use (the DataModule needs it before ``configure_model`` runs)."""
+        if self._tokenizer is None:
+            self._tokenizer = load_tokenizer(self.model_name)
+        return self._tokenizer
+
+    def configure_model(self) -> None:
+        if self.model is not None:
+            return
+        self.model, tokenizer = load_policy(
+            self.model_name, self.quantization, self.lora_settings, dtype=self.dtype_name,
+            device=self.device, seed=self.seed,
+        )
+        self._tokenizer = self._tokenizer or tokenizer
+        self.model.train()  # loaders return eval mode; LoRA dropout must be live in training
+        if self.gradient_checkpointing:
+            self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            self.model.enable_input_require_grads()
+
+    def trainable_parameters(self) -> list[torch.nn.Parameter]:
+        return [p for p in self.model.parameters() if p.requires_grad]
+
+    def configure_optimizers(self):
+        s = self.optim_settings
+        opt = torch.optim.AdamW(self.trainable_parameters(), lr=s.lr, betas=tuple(s.betas), weight_decay=s.weight_decay)
+        total = max(1, self.trainer.max_steps if self.trainer and self.trainer.max_steps > 0 else 1000)
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: lr_factor(step, total, s.warmup_ratio, s.schedule))
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+    # ---------------------------------------------------------------- log-probs
+    def _training_noise(self):
+        """AQN in training forwards: on with ``apply_to: both``, off with ``rollout`` (then TIS corrects)."""
+        if self.noisy_norms is not None and self.aqn_apply_to == "rollout":
+            return self.noisy_norms.disable()
+        return contextlib.nullcontext()
+
+    def completion_logprobs(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor, completion_ids: torch.Tensor,
+        temperature: float, with_entropy: bool = False,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Log-probs (and entropies) of the completion tokens under log softmax(logits / T).
+
+        input_ids = [left-padded prompt | right-padded completion], (n, P+T); returns (n, T)."""
+        T = completion_ids.shape[1]
+        position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)  # same rule as the HF engine
+        out = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                         use_cache=False, logits_to_keep=T + 1)
+        logits = out.logits[:, :-1] / (temperature if temperature > 0 else 1.0)  # (n, T, V)
+        logprobs = selective_log_softmax(logits, completion_ids)  # (n, T) fp32
+        entropy = entropy_from_logits(logits.detach()) if with_entropy else None
+        return logprobs, entropy
+
+    # ---------------------------------------------------------------- the step
+    def training_step(self, batch: dict, batch_idx: int):
+        rollout: Rollout = batch["rollout"].to(self.device)
+        s = self.loss_settings
+        opt, sched = self.optimizers(), self.lr_schedulers()
+        t0 = time.perf_counter()
+
+        N, T = rollout.completion_ids.shape  # N = prompts * G
+        input_ids = torch.cat([rollout.prompt_ids, rollout.completion_ids], 1)  # (N, P+T)
+        attention_mask = torch.cat([rollout.prompt_mask, rollout.completion_mask], 1)  # (N, P+T)
+        loss_mask = rollout.completion_mask.bool()  # (N, T)
+        if s.mask_truncated:
+            loss_mask = loss_mask & ~rollout.truncated[:, None]
+        advantages = group_advantages(rollout.rewards, rollout.group_size, s.advantage_scale)  # (N,)
+        micro_batches = [slice(i, min(i + s.micro_batch_size, N)) for i in range(0, N, s.micro_batch_size)]
+        lp = lambda mb, **kw: self.completion_logprobs(  # noqa: E731
+            input_ids[mb], attention_mask[mb], rollout.completion_ids[mb], rollout.temperature, **kw)
+
+        # 2. no-grad passes
+        old_logprobs = ref_logprobs = None
+        with torch.no_grad():
+            if s.updates_per_rollout > 1:
+                with self._training_noise():
+                    old_logprobs = torch.cat([lp(mb)[0] for mb in micro_batches])  # (N, T)
+            if s.kl_coef > 0:
+                noise_off = self.noisy_norms.disable() if self.noisy_norms is not None else contextlib.nullcontext()
+                with self.model.disable_adapter(), noise_off:
+                    ref_logprobs = torch.cat([lp(mb)[0] for mb in micro_batches])  # (N, T)
+
+        # 3. K updates, each accumulating over micro-batches
+        num_tokens = loss_mask.sum().clamp(min=1)
+        sums: dict[str, float] = {}
+        entropy_sum, is_ratio_sum, losses, grad_norms = 0.0, 0.0, [], []
+        for update in range(s.updates_per_rollout):
+            for mb in micro_batches:
+                with self._training_noise():
+                    logprobs, entropy = lp(mb, with_entropy=(update == 0))
+                old = old_logprobs[mb] if old_logprobs is not None else logprobs.detach()
+                is_weights = None
+                if s.tis_cap is not None:
+                    is_weights = truncated_is_weights(old, rollout.sampler_logprobs[mb], loss_mask[mb],
+                                                      level=s.tis_level, mode=s.tis_mode, cap=s.tis_cap)
+                loss, metrics = policy_loss(
+                    logprobs, old, advantages[mb], loss_mask[mb], clip_low=s.clip_low, clip_high=s.clip_high,
+                    aggregation=s.aggregation, is_weights=is_weights,
+                    ref_logprobs=None if ref_logprobs is None else ref_logprobs[mb], kl_coef=s.kl_coef,
+                    max_completion_length=rollout.max_new_tokens, num_tokens_total=num_tokens, num_sequences_total=N,
+                )
+                if s.aggregation == "bnpo":  # a local token mean: average over micro-batches
+                    loss = loss / len(micro_batches)
+                if not torch.isfinite(loss):
+                    rank_zero_warn(f"non-finite loss at step {self.global_step}: skipping this update")
+                    break
+                self.manual_backward(loss)
+                losses.append(loss.detach())
+                weight = loss_mask[mb].sum().item() / num_tokens.item()
+                for k, v in metrics.items():
+                    sums[k] = sums.get(k, 0.0) + float(v) * weight / s.updates_per_rollout
+                if update == 0:
+                    entropy_sum += float(masked_mean(entropy, loss_mask[mb])) * weight
+                    raw_ratio = torch.exp((old - rollout.sampler_logprobs[mb]).clamp(max=20))
+                    is_ratio_sum += float(masked_mean(raw_ratio, loss_mask[mb])) * weight
+            grad_norm = torch.nn.utils.clip_grad_norm_(self.trainable_parameters(), self.optim_settings.max_grad_norm)
+            if not torch.isfinite(grad_norm) or len(losses) == 0:
+                rank_zero_warn(f"non-finite gradient norm at step {self.global_step}: skipping this update")
+                opt.zero_grad(set_to_none=True)
+                continue
+            grad_norms.append(float(grad_norm))
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            sched.step()
+
+        self._log_step(rollout, sums, losses, grad_norms, entropy_sum, is_ratio_sum, time.perf_counter() - t0)
+
+    # ---------------------------------------------------------------- logging
+    def _log_step(self, rollout: Rollout, sums, losses, grad_norms, entropy, is_ratio, train_time) -> None:
+        G = rollout.group_size
+        rewards = rollout.rewards.float()
+        group_std = rewards.view(-1, G).std(-1) if G > 1 else torch.zeros(rewards.numel())
+        lengths = rollout.completion_mask.sum(-1).float()
+        n_losses = max(1, len(losses))
+        metrics = {
+            "train/reward": rewards.mean(),
+            "train/reward_std": group_std.mean(),
+            "train/frac_reward_zero_std": (group_std < 1e-6).float().mean(),
+            "train/entropy": entropy,
+            "train/kl": sums.get("kl", 0.0),
+            "train/loss": float(sum(losses)) / max(1, self.loss_settings.updates_per_rollout) if losses else float("nan"),
+            "train/clip_ratio/low": sums.get("clip_ratio/low", 0.0),
+            "train/clip_ratio/high": sums.get("clip_ratio/high", 0.0),
+            "train/clip_ratio/region": sums.get("clip_ratio/region", 0.0),
+            "train/is_ratio/mean": is_ratio,
+            "train/completion_length/mean": lengths.mean(),
+            "train/completion_length/max": lengths.max(),
+            "train/clipped_ratio": rollout.truncated.float().mean(),
+            "train/grad_norm": sum(grad_norms) / len(grad_norms) if grad_norms else float("nan"),
+            "train/lr": self.optimizers().param_groups[0]["lr"],
+            "train/groups_dropped": float(rollout.num_groups_dropped),
+            "time/train": train_time,
+        }
+        for name, values in rollout.reward_components.items():
+            metrics[f"train/rewards/{name}"] = values.float().mean()
+        for name, seconds in rollout.timings.items():
+            metrics[f"time/{name}"] = seconds
+        metrics = {k: torch.as_tensor(v, dtype=torch.float32) for k, v in metrics.items()}
+        self.log_dict(metrics, on_step=True, on_epoch=False, batch_size=rewards.numel())
+        del n_losses
+        self._warn_on_silent_failures(float(metrics["train/frac_reward_zero_std"]), float(metrics["train/clipped_ratio"]))
+
+    def _warn_on_silent_failures(self, frac_zero_std: float, clipped: float) -> None:
+        """The classic silent failures: no reward signal, or every completion cut at max length."""
+        self._streaks["zero_std"] = self._streaks["zero_std"] + 1 if frac_zero_std >= 1.0 else 0
+        self._streaks["truncated"] = self._streaks["truncated"] + 1 if clipped >= 0.9 else 0
+        n = self.warn_after_steps
+        if self._streaks["zero_std"] == n:
+            rank_zero_warn(f"reward std has been 0 in every group for {n} steps: no learning signal "
+                           "(check the reward function, answers, and max_new_tokens)")
+        if self._streaks["truncated"] == n:
+            rank_zero_warn(f">= 90% of completions hit max_new_tokens for {n} steps: raise max_new_tokens "
+                           "or check the stop tokens")
+
+    # ---------------------------------------------------------------- checkpoints
+    def on_save_checkpoint(self, checkpoint: dict) -> None:
+        """Keep only trainable parameters: the frozen base is rebuilt from ``model`` on resume."""
+        trainable = {n for n, p in self.named_parameters() if p.requires_grad}
+        checkpoint["state_dict"] = {k: v for k, v in checkpoint["state_dict"].items() if k in trainable}
+
+    def on_train_end(self) -> None:
+        """Write the adapter in peft format next to the logs (what users serve or evaluate)."""
+        if self.trainer.is_global_zero and self.trainer.log_dir:
+            self.model.save_pretrained(f"{self.trainer.log_dir}/adapter")

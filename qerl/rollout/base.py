@@ -1,0 +1,118 @@
+"""The rollout-engine interface shared by the embedded HF engine and vLLM.
+
+An engine is deliberately NOT an ``nn.Module`` attribute of the LightningModule: Lightning must
+never move it between devices or put it into a checkpoint. The ``RolloutCallback`` owns it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class SamplingSettings:
+    """How completions are sampled.
+
+    Args:
+        temperature: softmax temperature (QeRL: 1.0 for training rollouts). 0 means greedy.
+        top_p: nucleus sampling mass (1.0 = off).
+        top_k: keep only the k most likely tokens (0 = off).
+        max_new_tokens: completion length cap; a completion that hits it finishes with "length".
+    """
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    max_new_tokens: int = 256
+
+
+@dataclass
+class Generation:
+    """What an engine returns for ``len(prompt_ids) * n`` samples, prompt-major (prompt 0's n
+    samples first, then prompt 1's ...).
+
+    ``sampler_logprobs[i][t]`` is log softmax(logits / temperature) of the sampled token under the
+    engine's own forward (before top-p/top-k truncation), i.e. the same quantity the trainer
+    computes, so their ratio is the importance weight used by truncated IS.
+    """
+
+    completion_ids: list[list[int]]
+    sampler_logprobs: list[list[float]]
+    finish_reasons: list[str]  # "stop" (EOS emitted) or "length" (hit max_new_tokens)
+    timings: dict[str, float] = field(default_factory=dict)
+
+
+class RolloutEngine:
+    """Interface. ``sync`` pushes the current policy (LoRA weights and, with AQN, the noisy norm
+    scales) into the engine; ``generate`` samples; ``sleep``/``wake`` free and restore its memory."""
+
+    def sync(self, model: torch.nn.Module, norm_scales: dict[str, torch.Tensor] | None = None) -> None:
+        raise NotImplementedError
+
+    def generate(
+        self, prompt_ids: list[list[int]], n: int, sampling: SamplingSettings, seed: int
+    ) -> Generation:
+        raise NotImplementedError
+
+    def sleep(self) -> None:  # optional
+        pass
+
+    def wake(self) -> None:  # optional
+        pass
+
+
+def pad_left(seqs: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Left-pad token lists: returns ids and mask, both ``(B, max_len)``."""
+    width = max(len(s) for s in seqs)
+    ids = torch.full((len(seqs), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(seqs), width), dtype=torch.long)
+    for i, s in enumerate(seqs):
+        if s:
+            ids[i, width - len(s):] = torch.tensor(s, dtype=torch.long)
+            mask[i, width - len(s):] = 1
+    return ids, mask
+
+
+def pad_right(seqs: list[list], pad_value, dtype=torch.long, min_width: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    """Right-pad lists (token ids or log-probs): returns values and mask, both ``(B, max_len)``."""
+    width = max([min_width] + [len(s) for s in seqs])
+    out = torch.full((len(seqs), width), pad_value, dtype=dtype)
+    mask = torch.zeros((len(seqs), width), dtype=torch.long)
+    for i, s in enumerate(seqs):
+        if s:
+            out[i, : len(s)] = torch.tensor(s, dtype=dtype)
+            mask[i, : len(s)] = 1
+    return out, mask
+
+
+@dataclass
+class Rollout:
+    """A scored rollout batch, attached to the training batch by the ``RolloutCallback``.
+
+    N = prompts * group_size rows, prompt-major. P = padded prompt length, T = padded completion length.
+    """
+
+    prompt_ids: torch.Tensor  # (N, P) left-padded
+    prompt_mask: torch.Tensor  # (N, P)
+    completion_ids: torch.Tensor  # (N, T) right-padded
+    completion_mask: torch.Tensor  # (N, T)
+    sampler_logprobs: torch.Tensor  # (N, T) float32, 0 on padding
+    rewards: torch.Tensor  # (N,) float32
+    reward_components: dict[str, torch.Tensor]  # name -> (N,)
+    truncated: torch.Tensor  # (N,) bool: hit max_new_tokens without a stop token
+    group_size: int
+    temperature: float
+    max_new_tokens: int
+    prompts: list[str] = field(default_factory=list)
+    completions: list[str] = field(default_factory=list)
+    answers: list[str] = field(default_factory=list)
+    timings: dict[str, float] = field(default_factory=dict)
+    num_groups_dropped: int = 0  # DAPO dynamic sampling: zero-signal groups filtered out
+
+    def to(self, device: torch.device | str) -> "Rollout":
+        for name in ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask", "sampler_logprobs", "rewards", "truncated"):
+            setattr(self, name, getattr(self, name).to(device))
+        self.reward_components = {k: v.to(device) for k, v in self.reward_components.items()}
+        return self
