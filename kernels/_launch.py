@@ -1,0 +1,230 @@
+"""Launch wrappers, config choice and autotuning for the NVFP4 W4A16 kernels.
+
+Path per call (``M`` = rows of the activation):
+* fused Triton kernel (``_fwd_kernel`` / ``_bwd_kernel``): small and mid M, memory-bound or
+  close to it, where reading 0.56 B/weight instead of 2 B pays;
+* ``dequant``: ``_dequant_kernel`` writes W in the activation dtype into a transient buffer, then
+  cuBLAS (``torch.matmul``): large M, where the GEMM is compute-bound and cuBLAS' wgmma pipeline
+  beats a fused Triton kernel by more than the extra ~2.56 B/weight of traffic costs.
+
+Configs are chosen per shape bucket ``(op, dtype, bucket(M), N, K)`` where ``bucket(M)`` is the next
+power of two (M > 1024 is one bucket that always takes ``dequant``). On the first call for a key the
+candidates of that bucket are timed with ``triton.testing.do_bench`` (L2 flushed between runs, like
+a real layer whose weight is not in cache) and the fastest is kept for the process. During CUDA-graph
+capture, or with ``QERL_KERNELS_AUTOTUNE=0``, no timing happens: the bucket's first (default)
+candidate is used. ``KERNEL_PRESETS`` can pin a config per key.
+"""
+
+import os
+from dataclasses import dataclass, replace
+
+import torch
+import triton
+
+from . import nvfp4_w4a16 as K_
+
+_NUM_SMS = {}
+_COUNTERS = {}          # device -> int32 zero buffer of per-tile split counters (self-resetting)
+_OLD_COUNTERS = []      # grown-out buffers stay alive: captured CUDA graphs may still point at them
+_TUNED = {}             # key -> Config
+KERNEL_PRESETS = {}     # key -> Config (pinned, e.g. from benchmarks)
+
+
+def _interpret() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+@dataclass(frozen=True)
+class Config:
+    """One launch choice. ``kind`` 'fused' or 'dequant'. ``split`` None = from ``waves``."""
+    kind: str = "fused"
+    BM: int = 16
+    BN: int = 128
+    BK: int = 128
+    warps: int = 4
+    stages: int = 3
+    swap: bool = False
+    split: int | None = None
+    waves: float = 2.0          # target programs = waves * #SMs when choosing split
+
+    def short(self) -> str:
+        if self.kind == "dequant":
+            return "dequant+cublas"
+        return (f"BM{self.BM} BN{self.BN} BK{self.BK} w{self.warps} s{self.stages}"
+                f"{' swap' if self.swap else ''} split={self.split or 'auto'}")
+
+
+DEQUANT = Config(kind="dequant")
+
+
+def _fused(BM, BN, BK, warps=4, stages=3, swap=False, **kw):
+    return Config("fused", BM, BN, BK, warps, stages, swap, **kw)
+
+
+# Candidates per M bucket; the first is the default used without tuning. "BN" is the weight-row
+# tile (output N for fwd, reduction N for bwd); "BK" the K tile (reduction for fwd, output for bwd).
+def candidates(op: str, mb: int) -> list:
+    if mb > 1024:
+        return [DEQUANT]
+    if mb <= 16:
+        return [_fused(16, 128, 128, 4, 4, True), _fused(16, 64, 128, 4, 4, True),
+                _fused(16, 128, 256, 8, 3, True), _fused(16, 128, 128, 4, 4, False),
+                _fused(16, 64, 256, 4, 3, False), _fused(16, 256, 128, 8, 3, True)]
+    if mb <= 64:
+        return [_fused(mb, 128, 128, 4, 4, True), _fused(mb, 128, 128, 4, 4, False),
+                _fused(mb, 64, 128, 4, 4, True), _fused(mb, 256, 64, 8, 4, True)]
+    if mb <= 256:
+        return [_fused(64, 128, 128, 4, 4, False), _fused(128, 128, 64, 8, 4, False),
+                _fused(128, 128, 128, 8, 3, False), _fused(64, 128, 128, 4, 4, True),
+                _fused(128, 256, 64, 8, 3, False), DEQUANT]
+    return [_fused(128, 128, 64, 8, 4, False), _fused(128, 256, 64, 8, 3, False),
+            _fused(128, 128, 128, 8, 3, False), DEQUANT]
+
+
+def _bucket(M: int) -> int:
+    return 2048 if M > 1024 else 1 << max(0, (M - 1).bit_length())
+
+
+def _num_sms(dev) -> int:
+    if dev.type != "cuda":
+        return 4
+    i = dev.index if dev.index is not None else torch.cuda.current_device()
+    if i not in _NUM_SMS:
+        _NUM_SMS[i] = torch.cuda.get_device_properties(i).multi_processor_count
+    return _NUM_SMS[i]
+
+
+def _counters(dev, n: int) -> torch.Tensor:
+    buf = _COUNTERS.get(dev)
+    if buf is None or buf.numel() < n:
+        if buf is not None:
+            _OLD_COUNTERS.append(buf)
+        buf = torch.zeros(max(n, 1 << 16), dtype=torch.int32, device=dev)
+        _COUNTERS[dev] = buf
+    return buf
+
+
+def _split_for(cfg: Config, tiles: int, nred: int, dev) -> tuple:
+    """(SPLIT, ITERS): reduction blocks per split so that ~waves*SMs programs run."""
+    split = cfg.split
+    if split is None:
+        target = int(cfg.waves * _num_sms(dev))
+        split = 1 if tiles >= target else min(triton.cdiv(target, tiles), 32)
+    split = max(1, min(split, nred))
+    iters = triton.cdiv(nred, split)
+    return triton.cdiv(nred, iters), iters
+
+
+def _launch_fused(op, a, qdata, scale_u8, pts, out, cfg: Config):
+    M = a.shape[0]
+    N, K = qdata.shape[0], qdata.shape[1] * 2
+    dev = a.device
+    BM = cfg.BM
+    if op == "fwd":
+        tiles_m, tiles_o, nred = triton.cdiv(M, BM), triton.cdiv(N, cfg.BN), triton.cdiv(K, cfg.BK)
+    else:
+        tiles_m, tiles_o, nred = triton.cdiv(M, BM), triton.cdiv(K, cfg.BK), triton.cdiv(N, cfg.BN)
+    tiles = tiles_m * tiles_o
+    split, iters = _split_for(cfg, tiles, nred, dev)
+    if split > 1:
+        bo = cfg.BN if op == "fwd" else cfg.BK
+        ws = torch.empty(split * tiles * BM * bo, dtype=torch.float32, device=dev)
+        cnt = _counters(dev, tiles)
+    else:
+        ws, cnt = out, out      # unused
+    use_asm = not _interpret()
+    grid = (tiles_m, tiles_o, split)
+    kern = K_._fwd_kernel if op == "fwd" else K_._bwd_kernel
+    kern[grid](a, qdata, scale_u8, pts, out, ws, cnt, M, N, K, a.stride(0), out.stride(0), iters,
+               BM=BM, BN=cfg.BN, BK=cfg.BK, SPLIT=split, SWAP=cfg.swap, USE_ASM=use_asm,
+               EVEN_N=N % cfg.BN == 0, EVEN_K=K % cfg.BK == 0,
+               num_warps=cfg.warps, num_stages=cfg.stages)
+    return out
+
+
+def dequantize(qdata, scale, per_tensor_scale, dtype=torch.bfloat16, out=None):
+    """W[N, K] in ``dtype`` (per-tensor scale applied), one pass over the packed weight."""
+    N, K = qdata.shape[0], qdata.shape[1] * 2
+    if out is None:
+        out = torch.empty((N, K), dtype=dtype, device=qdata.device)
+    BN, BK = 64, 256
+    grid = (triton.cdiv(K, BK), triton.cdiv(N, BN))
+    K_._dequant_kernel[grid](qdata, scale.view(torch.uint8), _pts(per_tensor_scale), out, N, K,
+                             BN=BN, BK=BK, USE_ASM=not _interpret(), EVEN_N=N % BN == 0,
+                             EVEN_K=K % BK == 0, num_warps=4)
+    return out
+
+
+def _pts(p):
+    p = p.reshape(1)
+    return p if p.dtype == torch.float32 else p.float()
+
+
+def _run(op, a, qdata, scale, pts, out, cfg: Config):
+    if cfg.kind == "dequant":
+        w = dequantize(qdata, scale, pts, a.dtype)
+        return torch.matmul(a, w.t() if op == "fwd" else w, out=out)
+    return _launch_fused(op, a, qdata, scale.view(torch.uint8), _pts(pts), out, cfg)
+
+
+def _choose(op, a, qdata, scale, pts, out) -> Config:
+    M = a.shape[0]
+    N, K = qdata.shape[0], qdata.shape[1] * 2
+    key = (op, a.dtype, _bucket(M), N, K)
+    cfg = KERNEL_PRESETS.get(key) or _TUNED.get(key)
+    if cfg is not None:
+        return cfg
+    if a.dtype == torch.float32 and not _interpret():
+        return DEQUANT      # fp32 activations on GPU: exact dequant + fp32 cuBLAS
+    cands = candidates(op, key[2])
+    if (len(cands) == 1 or _interpret() or a.device.type != "cuda"
+            or os.environ.get("QERL_KERNELS_AUTOTUNE", "1") == "0"
+            or torch.cuda.is_current_stream_capturing()):
+        return cands[0]
+    _TUNED[key] = tune(op, a, qdata, scale, pts, out, cands)[0][1]
+    return _TUNED[key]
+
+
+def tune(op, a, qdata, scale, pts, out, cands, rep_ms=25):
+    """Time each candidate (median ms, L2 flushed); returns [(ms, cfg)] fastest first."""
+    res = []
+    for c in cands:
+        try:
+            ms = triton.testing.do_bench(lambda: _run(op, a, qdata, scale, pts, out, c),
+                                         warmup=5, rep=rep_ms, return_mode="median")
+        except Exception as e:  # a config that does not compile (e.g. shared memory) is skipped
+            print(f"[kernels] skip {c.short()}: {type(e).__name__}: {str(e)[:120]}")
+            continue
+        res.append((ms, c))
+    res.sort(key=lambda t: t[0])
+    return res
+
+
+def _prep(a, qdata, scale, out_cols, out):
+    if a.stride(-1) != 1:
+        a = a.contiguous()
+    if out is None:
+        out = torch.empty((a.shape[0], out_cols), dtype=a.dtype, device=a.device)
+    return a, out
+
+
+def linear_forward(x, qdata, scale, pts, out=None, config: Config | None = None):
+    N = qdata.shape[0]
+    x, out = _prep(x, qdata, scale, N, out)
+    if x.shape[0] == 0:
+        return out
+    cfg = config or _choose("fwd", x, qdata, scale, pts, out)
+    return _run("fwd", x, qdata, scale, pts, out, cfg)
+
+
+def linear_grad_input(g, qdata, scale, pts, out=None, config: Config | None = None):
+    K = qdata.shape[1] * 2
+    g, out = _prep(g, qdata, scale, K, out)
+    if g.shape[0] == 0:
+        return out
+    cfg = config or _choose("bwd", g, qdata, scale, pts, out)
+    return _run("bwd", g, qdata, scale, pts, out, cfg)
+
+
+__all__ = ["Config", "DEQUANT", "candidates", "dequantize", "linear_forward", "linear_grad_input",
+           "tune", "KERNEL_PRESETS", "replace"]
