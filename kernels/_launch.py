@@ -63,22 +63,27 @@ def _fused(BM, BN, BK, warps=4, stages=3, swap=False, **kw):
 
 # Candidates per M bucket; the first is the default used without tuning. "BN" is the weight-row
 # tile (output N for fwd, reduction N for bwd); "BK" the K tile (reduction for fwd, output for bwd).
+# Offline SASS (sm_90a) of the M <= 16 default: mma.sync with the decoded weight fed from registers,
+# ~4.7 instructions per weight element per K step; the "swap" variants use wgmma with the weight as
+# the register A operand but pay more shuffles (~6.2/elem).
 def candidates(op: str, mb: int) -> list:
     if mb > 1024:
         return [DEQUANT]
     if mb <= 16:
-        return [_fused(16, 128, 128, 4, 4, True), _fused(16, 64, 128, 4, 4, True),
-                _fused(16, 128, 256, 8, 3, True), _fused(16, 128, 128, 4, 4, False),
-                _fused(16, 64, 256, 4, 3, False), _fused(16, 256, 128, 8, 3, True)]
+        return [_fused(16, 128, 128, 4, 4), _fused(16, 128, 128, 4, 4, waves=4.0),
+                _fused(16, 64, 128, 4, 4), _fused(16, 64, 256, 4, 3), _fused(16, 128, 256, 8, 3),
+                _fused(16, 256, 128, 8, 3), _fused(16, 128, 128, 4, 4, True)]
+    if mb <= 32:
+        return [_fused(32, 128, 128, 4, 4), _fused(16, 128, 128, 4, 4), _fused(32, 64, 128, 4, 4),
+                _fused(32, 128, 128, 4, 4, True)]
     if mb <= 64:
-        return [_fused(mb, 128, 128, 4, 4, True), _fused(mb, 128, 128, 4, 4, False),
-                _fused(mb, 64, 128, 4, 4, True), _fused(mb, 256, 64, 8, 4, True)]
-    if mb <= 256:
-        return [_fused(64, 128, 128, 4, 4, False), _fused(128, 128, 64, 8, 4, False),
-                _fused(128, 128, 128, 8, 3, False), _fused(64, 128, 128, 4, 4, True),
-                _fused(128, 256, 64, 8, 3, False), DEQUANT]
-    return [_fused(128, 128, 64, 8, 4, False), _fused(128, 256, 64, 8, 3, False),
-            _fused(128, 128, 128, 8, 3, False), DEQUANT]
+        return [_fused(64, 128, 128, 4, 4, True), _fused(64, 128, 128, 4, 4), _fused(32, 128, 128, 4, 4),
+                _fused(64, 256, 64, 8, 4, True), _fused(64, 64, 128, 4, 4, True)]
+    if mb <= 128:
+        return [_fused(128, 128, 64, 8, 4), _fused(64, 128, 128, 4, 4, True), _fused(128, 128, 128, 8, 3),
+                _fused(128, 256, 64, 8, 3), _fused(64, 128, 128, 4, 4)]
+    return [_fused(128, 128, 64, 8, 4), _fused(128, 256, 64, 8, 3), _fused(128, 128, 128, 8, 3),
+            _fused(64, 128, 128, 4, 4, True), DEQUANT]
 
 
 def _bucket(M: int) -> int:
@@ -135,8 +140,8 @@ def _launch_fused(op, a, qdata, scale_u8, pts, out, cfg: Config):
     use_asm = not _interpret()
     grid = (tiles_m, tiles_o, split)
     kern = K_._fwd_kernel if op == "fwd" else K_._bwd_kernel
-    kern[grid](a, qdata, scale_u8, pts, out, ws, cnt, M, N, K, a.stride(0), out.stride(0), iters,
-               BM=BM, BN=cfg.BN, BK=cfg.BK, SPLIT=split, SWAP=cfg.swap, USE_ASM=use_asm,
+    kern[grid](a, qdata, scale_u8, pts, out, ws, cnt, M, N, K, a.stride(0), out.stride(0), iters, split,
+               BM=BM, BN=cfg.BN, BK=cfg.BK, HAS_SPLIT=split > 1, SWAP=cfg.swap, USE_ASM=use_asm,
                EVEN_N=N % cfg.BN == 0, EVEN_K=K % cfg.BK == 0,
                num_warps=cfg.warps, num_stages=cfg.stages)
     return out
@@ -181,7 +186,11 @@ def _choose(op, a, qdata, scale, pts, out) -> Config:
             or os.environ.get("QERL_KERNELS_AUTOTUNE", "1") == "0"
             or torch.cuda.is_current_stream_capturing()):
         return cands[0]
-    _TUNED[key] = tune(op, a, qdata, scale, pts, out, cands)[0][1]
+    res = tune(op, a, qdata, scale, pts, out, cands)
+    if os.environ.get("QERL_KERNELS_VERBOSE", "0") == "1":
+        print(f"[kernels] tune {op} M={M} N={N} K={K}: "
+              + "; ".join(f"{c.short()} {ms * 1e3:.1f}us" for ms, c in res), flush=True)
+    _TUNED[key] = res[0][1]
     return _TUNED[key]
 
 

@@ -125,15 +125,16 @@ def _e2m1_f32(c):
 
 @triton.jit
 def _split_epilogue(acc, out_ptr, ws_ptr, cnt_ptr, r0, r1, n0, n1, stride0, stride1, scale,
-                    tile_id, num_tiles, pid_s, B0: tl.constexpr, B1: tl.constexpr,
-                    SPLIT: tl.constexpr):
+                    tile_id, num_tiles, pid_s, split, B0: tl.constexpr, B1: tl.constexpr,
+                    HAS_SPLIT: tl.constexpr):
     """Write ``acc * scale`` [B0, B1] (fp32) at rows r0 < n0, cols r1 < n1 of out.
 
-    With SPLIT > 1 the partial goes to ``ws[pid_s, tile_id]``; the last split of a tile sums them.
+    With HAS_SPLIT the partial goes to ``ws[pid_s, tile_id]``; the last of the ``split`` programs
+    of a tile sums them.
     """
     mask = (r0[:, None] < n0) & (r1[None, :] < n1)
     optr = out_ptr + r0.to(tl.int64)[:, None] * stride0 + r1.to(tl.int64)[None, :] * stride1
-    if SPLIT == 1:
+    if not HAS_SPLIT:
         tl.store(optr, (acc * scale).to(out_ptr.dtype.element_ty), mask=mask)
     else:
         loc = tl.arange(0, B0)[:, None] * B1 + tl.arange(0, B1)[None, :]
@@ -141,21 +142,21 @@ def _split_epilogue(acc, out_ptr, ws_ptr, cnt_ptr, r0, r1, n0, n1, stride0, stri
         tl.store(tile_ws + pid_s.to(tl.int64) * num_tiles * (B0 * B1) + loc, acc)
         tl.debug_barrier()                        # every thread's partial is stored ...
         prev = tl.atomic_add(cnt_ptr + tile_id, 1, sem="acq_rel", scope="gpu")   # ... then release
-        if prev == SPLIT - 1:                     # last split of this tile: reduce in fixed order
+        if prev == split - 1:                     # last split of this tile: reduce in fixed order
             tot = tl.zeros((B0, B1), dtype=tl.float32)
-            for s in range(SPLIT):
+            for s in range(split):
                 tot += tl.load(tile_ws + s * num_tiles * (B0 * B1) + loc, cache_modifier=".cg")
             tl.store(optr, (tot * scale).to(out_ptr.dtype.element_ty), mask=mask)
             tl.atomic_xchg(cnt_ptr + tile_id, 0, sem="relaxed", scope="gpu")
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M", "ITERS", "split"])
 def _fwd_kernel(x_ptr, q_ptr, s_ptr, pts_ptr, y_ptr, ws_ptr, cnt_ptr,
-                M, N, K, stride_xm, stride_ym, ITERS,
-                BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, SPLIT: tl.constexpr,
+                M, N, K, stride_xm, stride_ym, ITERS, split,
+                BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, HAS_SPLIT: tl.constexpr,
                 SWAP: tl.constexpr, USE_ASM: tl.constexpr, EVEN_N: tl.constexpr,
                 EVEN_K: tl.constexpr):
-    """y[M, N] = x[M, K] @ W[N, K]^T * pts.  Grid: (cdiv(M,BM), cdiv(N,BN), SPLIT).
+    """y[M, N] = x[M, K] @ W[N, K]^T * pts.  Grid: (cdiv(M,BM), cdiv(N,BN), split).
 
     Each program owns rows [pid_n*BN, +BN) of W and K blocks [pid_s*ITERS, +ITERS).
     Even and odd k are reduced by two dots (x split the same way), see ``_decode_tile``.
@@ -195,19 +196,19 @@ def _fwd_kernel(x_ptr, q_ptr, s_ptr, pts_ptr, y_ptr, ws_ptr, cnt_ptr,
     num_tiles = tl.num_programs(0) * tl.num_programs(1)
     if SWAP:
         _split_epilogue(acc, y_ptr, ws_ptr, cnt_ptr, rn, rm, N, M, 1, stride_ym, scale,
-                        tile_id, num_tiles, pid_s, BN, BM, SPLIT)
+                        tile_id, num_tiles, pid_s, split, BN, BM, HAS_SPLIT)
     else:
         _split_epilogue(acc, y_ptr, ws_ptr, cnt_ptr, rm, rn, M, N, stride_ym, 1, scale,
-                        tile_id, num_tiles, pid_s, BM, BN, SPLIT)
+                        tile_id, num_tiles, pid_s, split, BM, BN, HAS_SPLIT)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M", "ITERS", "split"])
 def _bwd_kernel(g_ptr, q_ptr, s_ptr, pts_ptr, gx_ptr, ws_ptr, cnt_ptr,
-                M, N, K, stride_gm, stride_xm, ITERS,
-                BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, SPLIT: tl.constexpr,
+                M, N, K, stride_gm, stride_xm, ITERS, split,
+                BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, HAS_SPLIT: tl.constexpr,
                 SWAP: tl.constexpr, USE_ASM: tl.constexpr, EVEN_N: tl.constexpr,
                 EVEN_K: tl.constexpr):
-    """gx[M, K] = g[M, N] @ W[N, K] * pts (reduction over N).  Grid: (cdiv(M,BM), cdiv(K,BK), SPLIT).
+    """gx[M, K] = g[M, N] @ W[N, K] * pts (reduction over N).  Grid: (cdiv(M,BM), cdiv(K,BK), split).
 
     Each program owns output columns [pid_k*BK, +BK) and N blocks [pid_s*ITERS, +ITERS); even and
     odd output columns accumulate separately and are interleaved once, in the epilogue.
@@ -249,11 +250,11 @@ def _bwd_kernel(g_ptr, q_ptr, s_ptr, pts_ptr, gx_ptr, ws_ptr, cnt_ptr,
     if SWAP:
         acc = tl.reshape(tl.permute(tl.join(acc_e, acc_o), (0, 2, 1)), (BK, BM))
         _split_epilogue(acc, gx_ptr, ws_ptr, cnt_ptr, rk, rm, K, M, 1, stride_xm, scale,
-                        tile_id, num_tiles, pid_s, BK, BM, SPLIT)
+                        tile_id, num_tiles, pid_s, split, BK, BM, HAS_SPLIT)
     else:
         acc = tl.reshape(tl.join(acc_e, acc_o), (BM, BK))
         _split_epilogue(acc, gx_ptr, ws_ptr, cnt_ptr, rm, rk, M, K, stride_xm, 1, scale,
-                        tile_id, num_tiles, pid_s, BM, BK, SPLIT)
+                        tile_id, num_tiles, pid_s, split, BM, BK, HAS_SPLIT)
 
 
 @triton.jit

@@ -149,20 +149,31 @@ def test_gpu_fp16_and_batched_input():
     _check_linear(6, 192, 160, lead=(2, 3))
 
 
-@pytest.mark.gpu
-@pytest.mark.skipif(not CUDA, reason="needs CUDA")
-def test_gpu_every_candidate_config():
-    from kernels import _launch as L
-    seen = set()
+def _all_candidates():
+    try:
+        from kernels import _launch as L
+    except Exception:       # triton missing: the GPU tests are skipped anyway
+        return []
+    out = []
     for mb in (1, 16, 32, 64, 128, 256, 1024, 2048):
         for op in ("fwd", "bwd"):
             for cfg in L.candidates(op, mb):
-                if cfg in seen:
-                    continue
-                seen.add(cfg)
-                M = max(1, min(mb, 300) - 3)
-                _check_linear(M, 384, 1536, config=cfg)      # EVEN tiles
-                _check_linear(M, 200, 208, config=cfg)       # ragged N and K
+                if (mb, cfg) not in [(m, c) for m, c in out] and cfg not in [c for _, c in out]:
+                    out.append((mb, cfg))
+    return out
+
+
+@pytest.mark.parametrize("mb,cfg", _all_candidates(), ids=lambda v: v.short() if hasattr(v, "short") else str(v))
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs CUDA")
+def test_gpu_every_candidate_config(mb, cfg):
+    from triton.runtime.errors import OutOfResources
+    M = max(1, min(mb, 300) - 3)
+    try:
+        _check_linear(M, 384, 1536, config=cfg)      # EVEN tiles
+        _check_linear(M, 200, 208, config=cfg)       # ragged N and K
+    except OutOfResources as e:                      # the tuner skips such configs too
+        pytest.skip(f"config does not fit: {e}")
 
 
 @pytest.mark.gpu
