@@ -1,0 +1,491 @@
+"""Adaptive Quantization Noise (AQN): noise controllers and noisy RMSNorm scales.
+
+AQN (QeRL, Eqs. 8-10) adds channel-wise noise Z ~ N(0, sigma^2) of size ``hidden`` to the RMSNorm
+scale before q/k/v (``input_layernorm``) and gate/up (``post_attention_layernorm``):
+(w + Z) * x / sqrt(mean(x^2) + eps), i.e. row-wise multiplicative noise (1 + Z/w) on the frozen weights.
+
+* Noise controllers (chosen in YAML by ``class_path``) give sigma per optimizer step: staged
+  schedules (exponential is the paper's), periodic re-heats, or a closed loop on reward/entropy.
+* :func:`attach_noisy_norms` wraps the norms, matched by module *name* (the released code's
+  isinstance test never matches vLLM's norms), and applies the noise in fp32 inside the forward.
+  The weight is never modified (bf16 rounds away sigma < ~4e-3 near 1; in-place adds accumulate).
+
+``step`` is the number of optimizer steps already taken (Lightning's ``global_step``), so 0-based.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import re
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+
+# ----------------------------------------------------------------------------- controllers
+@dataclass
+class MonitorState:
+    """What a controller may look at when choosing sigma for a step.
+
+    Args:
+        rewards: Mean reward of each past step, oldest first (recent history; may be truncated).
+        entropies: Mean token entropy of each past step, oldest first.
+        max_steps: Total number of optimizer steps of the run.
+    """
+
+    rewards: list[float] = field(default_factory=list)
+    entropies: list[float] = field(default_factory=list)
+    max_steps: int = 0
+
+
+class NoiseController:
+    """Base class: maps an optimizer step (and the training monitor) to a noise sigma."""
+
+    def __init__(self) -> None:
+        self.last_decision: dict[str, float] = {}
+
+    def sigma(self, step: int, state: MonitorState | None = None) -> float:
+        """The noise standard deviation for optimizer step ``step`` (0-based)."""
+        raise NotImplementedError
+
+    def stage(self, step: int) -> int:
+        """Stage index for logging ``aqn/stage``; -1 where stages mean nothing."""
+        return -1
+
+    def state_dict(self) -> dict:
+        """Checkpointable own state (empty for stateless controllers)."""
+        return {}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore what :meth:`state_dict` returned."""
+
+
+class NoNoise(NoiseController):
+    """AQN off: sigma = 0 at every step (only the inherent quantization noise acts)."""
+
+    def sigma(self, step: int, state: MonitorState | None = None) -> float:
+        return 0.0
+
+
+class ConstantNoise(NoiseController):
+    """The same sigma at every step.
+
+    Args:
+        sigma: Noise standard deviation.
+    """
+
+    def __init__(self, sigma: float = 1e-2) -> None:
+        super().__init__()
+        self.value = float(sigma)
+
+    def sigma(self, step: int, state: MonitorState | None = None) -> float:
+        return self.value
+
+    def stage(self, step: int) -> int:
+        return 0
+
+
+def _max_steps(own: int | None, state: MonitorState | None) -> int:
+    n = own if own is not None else (state.max_steps if state is not None else 0)
+    if n <= 0:
+        raise ValueError("max_steps is unknown: set it on the controller or pass MonitorState(max_steps=...)")
+    return int(n)
+
+
+class StagedSchedule(NoiseController):
+    """Training split into ``num_stages`` equal stages (paper, Algorithm 1); stage 0 has sigma = 0.
+
+    Stage k of step s (0-based) is ``min(s // floor(max_steps / K), K - 1)``: the paper's
+    ``floor((step - 1) / steps_per_stage)`` with its 1-based steps. Stages 1..K-1 decay from
+    ``sigma_start`` to ``sigma_end`` along a shape f(t), t in [0, 1], which subclasses define.
+
+    Args:
+        sigma_start: sigma of stage 1 (the first noisy stage).
+        sigma_end: sigma of the last stage K-1 (when ``reach_end``).
+        num_stages: K, the number of stages including the noise-free stage 0.
+        max_steps: Total optimizer steps; None takes ``MonitorState.max_steps``.
+        reach_end: True: t = (k-1)/(K-2), so stage K-1 is exactly sigma_end (official code).
+            False: t = (k-1)/(K-1), the paper's Eq. 8 read literally, which stops one step short.
+    """
+
+    def __init__(self, sigma_start: float = 1e-2, sigma_end: float = 5e-4, num_stages: int = 10,
+                 max_steps: int | None = None, reach_end: bool = True) -> None:
+        super().__init__()
+        if num_stages < 2:
+            raise ValueError("num_stages must be >= 2 (stage 0 is noise-free)")
+        self.sigma_start, self.sigma_end = float(sigma_start), float(sigma_end)
+        self.num_stages, self.max_steps, self.reach_end = int(num_stages), max_steps, reach_end
+        self._state_max_steps: int | None = None
+
+    def _shape(self, t: float) -> float:
+        raise NotImplementedError
+
+    def stage(self, step: int, state: MonitorState | None = None) -> int:
+        if self.max_steps is None and state is None and self._state_max_steps is not None:
+            state = MonitorState(max_steps=self._state_max_steps)
+        per_stage = max(1, _max_steps(self.max_steps, state) // self.num_stages)
+        return min(max(step, 0) // per_stage, self.num_stages - 1)
+
+    def sigma(self, step: int, state: MonitorState | None = None) -> float:
+        if state is not None:
+            self._state_max_steps = state.max_steps
+        k = self.stage(step, state)
+        if k == 0:
+            return 0.0
+        denom = self.num_stages - 2 if self.reach_end else self.num_stages - 1
+        return float(self._shape((k - 1) / denom if denom > 0 else 0.0))
+
+
+class ExponentialSchedule(StagedSchedule):
+    """The paper's default (Eq. 8): sigma_k = sigma_start * (sigma_end / sigma_start) ** t."""
+
+    def _shape(self, t: float) -> float:
+        return self.sigma_start * (self.sigma_end / self.sigma_start) ** t
+
+
+class LinearSchedule(StagedSchedule):
+    """Linear decay over the noisy stages: sigma_start + (sigma_end - sigma_start) * t."""
+
+    def _shape(self, t: float) -> float:
+        return self.sigma_start + (self.sigma_end - self.sigma_start) * t
+
+
+class CosineSchedule(StagedSchedule):
+    """Half-cosine decay over the noisy stages: sigma_end + (sigma_start - sigma_end) * (1 + cos(pi t)) / 2."""
+
+    def _shape(self, t: float) -> float:
+        return self.sigma_end + (self.sigma_start - self.sigma_end) * 0.5 * (1.0 + math.cos(math.pi * t))
+
+
+class LogarithmicSchedule(StagedSchedule):
+    """Logarithmic decay (drops sharply early, then flattens):
+    sigma_start - (sigma_start - sigma_end) * ln(1 + 9 t) / ln(10)."""
+
+    def _shape(self, t: float) -> float:
+        return self.sigma_start - (self.sigma_start - self.sigma_end) * math.log1p(9.0 * t) / math.log(10.0)
+
+
+class OscillatingSchedule(NoiseController):
+    """A decaying envelope with periodic re-heats, like simulated annealing.
+
+    Envelope: sigma_env(s) = sigma_start * (sigma_end / sigma_start) ** (s / max_steps) (continuous).
+    At each re-heat step j * period (j = 1, 2, ...) sigma jumps by a bump of height
+    A_j = reheat_amplitude * reheat_decay ** (j - 1), times sigma_env(j * period) when ``relative``
+    (so amplitude 1.0 doubles sigma) or in absolute sigma units otherwise; the bump then fades as
+    exp(-(s - j * period) / reheat_width) until the next re-heat. Steps before ``warmup_steps`` are
+    noise-free. ``stage`` is the number of re-heats so far.
+
+    Args:
+        sigma_start: Envelope at step 0.
+        sigma_end: Envelope at max_steps.
+        period: Steps between re-heats.
+        reheat_amplitude: Height of the first re-heat (relative or absolute, see ``relative``).
+        reheat_decay: Factor applied to each successive re-heat's height.
+        reheat_width: e-folding steps of a re-heat's fade; None = period / 4.
+        relative: Amplitude relative to the envelope (True) or an absolute sigma (False).
+        warmup_steps: Leading steps with sigma = 0.
+        max_steps: Total optimizer steps; None takes ``MonitorState.max_steps``.
+    """
+
+    def __init__(self, sigma_start: float = 1e-2, sigma_end: float = 5e-4, period: int = 100,
+                 reheat_amplitude: float = 1.0, reheat_decay: float = 0.7, reheat_width: float | None = None,
+                 relative: bool = True, warmup_steps: int = 0, max_steps: int | None = None) -> None:
+        super().__init__()
+        if period < 1:
+            raise ValueError("period must be >= 1")
+        self.sigma_start, self.sigma_end, self.period = float(sigma_start), float(sigma_end), int(period)
+        self.reheat_amplitude, self.reheat_decay, self.relative = reheat_amplitude, reheat_decay, relative
+        self.reheat_width = float(reheat_width) if reheat_width is not None else period / 4.0
+        self.warmup_steps, self.max_steps = int(warmup_steps), max_steps
+
+    def _envelope(self, step: int, max_steps: int) -> float:
+        frac = min(max(step, 0) / max_steps, 1.0)
+        return self.sigma_start * (self.sigma_end / self.sigma_start) ** frac
+
+    def reheat_steps(self, max_steps: int) -> list[int]:
+        """The steps at which a re-heat starts, below ``max_steps``."""
+        return list(range(self.period, max_steps, self.period))
+
+    def stage(self, step: int) -> int:
+        return max(step, 0) // self.period
+
+    def sigma(self, step: int, state: MonitorState | None = None) -> float:
+        n = _max_steps(self.max_steps, state)
+        if step < self.warmup_steps:
+            self.last_decision = {"reheat": 0.0, "bump": 0.0}
+            return 0.0
+        env, j = self._envelope(step, n), self.stage(step)
+        bump = 0.0
+        if j >= 1:
+            height = self.reheat_amplitude * self.reheat_decay ** (j - 1)
+            if self.relative:
+                height *= self._envelope(j * self.period, n)
+            bump = height * math.exp(-(step - j * self.period) / self.reheat_width)
+        self.last_decision = {"reheat": float(j >= 1 and step % self.period == 0), "bump": bump}
+        return env + bump
+
+
+class AdaptiveNoise(NoiseController):
+    """Closed loop: boost a base schedule's sigma when the reward plateaus or the entropy collapses.
+
+    Each step with a full window of history, the monitor takes the moving average (MA) of the last
+    ``window`` mean rewards. An MA above the best MA so far by more than ``epsilon`` is an improvement
+    (and ends a running boost: relax to the base). A plateau is ``window`` steps without an improvement
+    since the last improvement or the last boost; with ``entropy_floor`` set, an entropy MA below the
+    floor also triggers. On a trigger sigma = clip(base * boost, sigma_min, sigma_max) for ``cooldown``
+    steps. ``last_decision`` logs {"plateau": 0/1, "boost": applied factor, "reward_ma", "entropy_ma"}.
+    Call ``sigma`` once per step; a repeated call for the same step returns the cached value.
+
+    Args:
+        base: Schedule being boosted; None = ExponentialSchedule().
+        window: Steps of the moving average, and of no improvement that make a plateau.
+        epsilon: Smallest MA reward gain that counts as an improvement.
+        boost: Factor applied to the base sigma during a boost.
+        sigma_max: Upper bound of a boosted sigma.
+        cooldown: Steps a boost is held (unless the reward improves first).
+        entropy_floor: Also boost while the entropy MA is below this; None disables.
+        sigma_min: Lower bound of a boosted sigma (so a plateau in a noise-free stage still adds noise).
+    """
+
+    def __init__(self, base: NoiseController | None = None, window: int = 10, epsilon: float = 0.01,
+                 boost: float = 2.0, sigma_max: float = 2e-2, cooldown: int = 10,
+                 entropy_floor: float | None = None, sigma_min: float = 0.0) -> None:
+        super().__init__()
+        self.base = base if base is not None else ExponentialSchedule()
+        self.window, self.epsilon, self.boost, self.sigma_max = int(window), epsilon, boost, sigma_max
+        self.cooldown, self.entropy_floor, self.sigma_min = int(cooldown), entropy_floor, sigma_min
+        self.best_ma: float | None = None
+        self.clock_step: int | None = None  # last improvement or last boost start
+        self.boost_until = -1  # boosted while step < boost_until
+        self.last_step: int | None = None
+        self.last_sigma = 0.0
+
+    def stage(self, step: int) -> int:
+        return self.base.stage(step)
+
+    def _ma(self, xs: Sequence[float]) -> float | None:
+        return sum(xs[-self.window:]) / self.window if len(xs) >= self.window else None
+
+    def sigma(self, step: int, state: MonitorState | None = None) -> float:
+        if step == self.last_step:
+            return self.last_sigma
+        state = state if state is not None else MonitorState()
+        base = self.base.sigma(step, state)
+        reward_ma, ent_ma = self._ma(state.rewards), self._ma(state.entropies)
+        if reward_ma is not None:
+            if self.best_ma is None or reward_ma > self.best_ma + self.epsilon:
+                if self.best_ma is not None:
+                    self.boost_until = min(self.boost_until, step)  # improving: relax to base
+                self.best_ma, self.clock_step = reward_ma, step
+        if step >= self.boost_until:
+            stalled = self.clock_step is not None and step - self.clock_step >= self.window
+            collapsed = self.entropy_floor is not None and ent_ma is not None and ent_ma < self.entropy_floor
+            if stalled or collapsed:
+                self.boost_until, self.clock_step = step + self.cooldown, step
+        boosted = step < self.boost_until
+        sigma = min(max(base * self.boost, self.sigma_min), self.sigma_max) if boosted else base
+        self.last_decision = {
+            "plateau": float(boosted),
+            "boost": (sigma / base if base > 0 else self.boost) if boosted else 1.0,
+            "reward_ma": reward_ma if reward_ma is not None else float("nan"),
+            "entropy_ma": ent_ma if ent_ma is not None else float("nan"),
+        }
+        self.last_step, self.last_sigma = step, sigma
+        return sigma
+
+    _STATE = ("best_ma", "clock_step", "boost_until", "last_step", "last_sigma", "last_decision")
+
+    def state_dict(self) -> dict:
+        d = {k: getattr(self, k) for k in self._STATE}
+        d["last_decision"] = dict(self.last_decision)
+        d["base"] = self.base.state_dict()
+        return d
+
+    def load_state_dict(self, state: dict) -> None:
+        for k in self._STATE:
+            if k in state:
+                setattr(self, k, state[k])
+        self.last_decision = dict(self.last_decision)
+        self.base.load_state_dict(state.get("base", {}))
+
+
+# ----------------------------------------------------------------------------- noisy norms
+_WRAPPER_SUFFIX = re.compile(r"(\.original_module|\.modules_to_save\.[^.]+|\.base_layer)$")
+
+
+def noise_seed(seed: int, step: int) -> int:
+    """The generator seed of one (run seed, optimizer step) pair."""
+    return (int(seed) * 1_000_003 + int(step)) % (2**63)
+
+
+def _eps(module: nn.Module) -> float | None:
+    for attr in ("variance_epsilon", "eps"):
+        value = getattr(module, attr, None)
+        if isinstance(value, float):
+            return value
+    return None
+
+
+def _rmsnorm(module: nn.Module, hidden_states: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
+    """HF RMSNorm with scale ``weight.float() + noise``, all in fp32, cast back at the end."""
+    input_dtype = hidden_states.dtype
+    h = hidden_states.to(torch.float32)
+    variance = h.pow(2).mean(-1, keepdim=True)
+    h = h * torch.rsqrt(variance + module.aqn_eps)
+    out = h * (module.weight.float() + noise.to(h.device))
+    return out.to(torch.promote_types(module.weight.dtype, input_dtype))
+
+
+class _NoisyForward:
+    """Instance-level ``forward`` of a wrapped norm: the original forward while noise is off."""
+
+    def __init__(self, module: nn.Module, original) -> None:
+        self.module, self.original = module, original  # original: an instance-level forward or None
+
+    def __call__(self, hidden_states: torch.Tensor, *args, **kwargs):
+        m = self.module
+        if not m.aqn_active:
+            if self.original is not None:
+                return self.original(hidden_states, *args, **kwargs)
+            return type(m).forward(m, hidden_states, *args, **kwargs)
+        if args or kwargs:
+            raise TypeError("a noisy norm takes only hidden_states")
+        return _rmsnorm(m, hidden_states, m.aqn_noise)
+
+
+def _wrap(module: nn.Module, name: str) -> None:
+    if isinstance(module.__dict__.get("forward"), _NoisyForward):
+        return  # already wrapped (e.g. a deepcopy of a wrapped model): adopt it
+    eps, weight = _eps(module), getattr(module, "weight", None)
+    if eps is None or not isinstance(weight, torch.Tensor) or weight.dim() != 1 or getattr(module, "bias", None) is not None:
+        raise ValueError(f"{name} ({type(module).__name__}) is not an RMSNorm with a 1-D weight and an eps")
+    module.aqn_eps = eps
+    module.aqn_noise = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
+    module.aqn_active = False
+    if weight.device.type != "meta":  # the replica must equal the original on this norm class
+        with torch.no_grad():
+            x = torch.randn(3, weight.shape[0], generator=torch.Generator().manual_seed(0)).to(weight)
+            if not torch.allclose(module(x).float(), _rmsnorm(module, x, module.aqn_noise).float(), rtol=1e-2, atol=1e-2):
+                raise ValueError(f"{name} ({type(module).__name__}) does not compute weight * x * rsqrt(mean(x^2) + eps)")
+    module.forward = _NoisyForward(module, module.__dict__.get("forward"))
+
+
+class NoisyNorms:
+    """Handle on the noisy norms of one model (made by :func:`attach_noisy_norms`).
+
+    ``names`` are the matched module names with peft wrapper suffixes stripped (a peft
+    ``modules_to_save`` norm's original and trainable copies share one name and one noise vector).
+    """
+
+    def __init__(self, targets: dict[str, tuple[nn.Module, list[nn.Module]]]) -> None:
+        self._targets = targets  # name -> (module at that name, wrapped leaf norms)
+        self.names: list[str] = list(targets)
+        self.sigma, self.seed, self.step = 0.0, 0, -1
+        self._enabled = True
+
+    @property
+    def is_enabled(self) -> bool:
+        """False inside :meth:`disable` (reference/KL pass, evaluation)."""
+        return self._enabled
+
+    @property
+    def active(self) -> bool:
+        """True when the forward adds noise now."""
+        return self._enabled and self.sigma > 0
+
+    def _sync(self) -> None:
+        for _, leaves in self._targets.values():
+            for leaf in leaves:
+                leaf.aqn_active = self.active
+
+    @torch.no_grad()
+    def set_noise(self, sigma: float, seed: int, step: int) -> None:
+        """Draw Z ~ N(0, sigma^2) for every noisy norm, from a CPU generator seeded by (seed, step).
+
+        The standard normal draws depend only on (seed, step), so a resumed run, another device or
+        another sigma gets the same (scaled) noise; sigma = 0 turns the noise off exactly.
+        """
+        self.sigma, self.seed, self.step = float(sigma), int(seed), int(step)
+        gen = torch.Generator().manual_seed(noise_seed(seed, step))
+        for _, leaves in self._targets.values():
+            z = torch.randn(leaves[0].weight.shape, generator=gen, dtype=torch.float32) * self.sigma
+            for leaf in leaves:
+                if leaf.aqn_noise.device != leaf.weight.device:
+                    leaf.aqn_noise = torch.zeros_like(z, device=leaf.weight.device)
+                leaf.aqn_noise.copy_(z)  # in place: keeps the tensor identity torch.compile saw
+        self._sync()
+
+    @contextlib.contextmanager
+    def enabled(self, flag: bool = True) -> Iterator[NoisyNorms]:
+        """Context with the noise turned on (``flag``) or off; restores the previous setting."""
+        previous, self._enabled = self._enabled, bool(flag)
+        self._sync()
+        try:
+            yield self
+        finally:
+            self._enabled = previous
+            self._sync()
+
+    def disable(self) -> contextlib.AbstractContextManager[NoisyNorms]:
+        """Context with the noise off (the clean policy), e.g. ``with norms.disable(): ...``."""
+        return self.enabled(False)
+
+    @torch.no_grad()
+    def effective_scales(self) -> dict[str, torch.Tensor]:
+        """fp32 ``weight + Z`` of each noisy norm as applied in the forward now (plain weight when off).
+
+        Uses the weight the module at that name currently runs (peft: the active adapter's copy).
+        """
+        out = {}
+        for name, (top, leaves) in self._targets.items():
+            w = top.weight.detach().float()
+            out[name] = w + leaves[0].aqn_noise.to(w.device) if self.active else w.clone()
+        return out
+
+    @torch.no_grad()
+    def fraction_changed(self) -> float:
+        """Fraction of noisy-norm channels whose applied fp32 scale differs from the plain weight."""
+        changed = total = 0
+        for name, scale in self.effective_scales().items():
+            w = self._targets[name][0].weight.detach().float()
+            changed += int((scale != w).sum())
+            total += w.numel()
+        return changed / max(total, 1)
+
+    def remove(self) -> None:
+        """Unwrap every norm (restores the original forwards; the handle is dead afterwards)."""
+        for _, leaves in self._targets.values():
+            for leaf in leaves:
+                fwd = leaf.__dict__.pop("forward")
+                if fwd.original is not None:
+                    leaf.forward = fwd.original
+                for attr in ("aqn_eps", "aqn_noise", "aqn_active"):
+                    leaf.__dict__.pop(attr, None)
+        self._targets, self.names = {}, []
+
+
+def attach_noisy_norms(model: nn.Module,
+                       module_names: Sequence[str] = ("input_layernorm", "post_attention_layernorm")) -> NoisyNorms:
+    """Wrap every norm whose qualified name ends with one of ``module_names`` (by name, any class).
+
+    Works on plain HF models and peft-wrapped ones. The norms' parameters, buffers and state_dict
+    keys are unchanged, and noise starts off (sigma = 0). Raises if nothing matches.
+    """
+    targets: dict[str, tuple[nn.Module, list[nn.Module]]] = {}
+    modules = dict(model.named_modules())
+    for qname, module in modules.items():
+        if "weight" not in module._parameters:
+            continue
+        name = qname
+        while _WRAPPER_SUFFIX.search(name):
+            name = _WRAPPER_SUFFIX.sub("", name)
+        if not any(name == n or name.endswith("." + n) for n in module_names):
+            continue
+        _wrap(module, qname)
+        targets.setdefault(name, (modules[name], []))[1].append(module)
+    if not targets:
+        raise ValueError(f"no module name ends with any of {list(module_names)}")
+    return NoisyNorms(targets)
