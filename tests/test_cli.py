@@ -1,0 +1,94 @@
+"""The user's job end to end: `train.py fit --config configs/quickstart.yaml`, TensorBoard, resume."""
+
+import glob
+import math
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+from qerl.nvfp4 import NVFP4WeightTensor
+from train import main
+
+QUICKSTART = str(Path(__file__).parent.parent / "configs" / "quickstart.yaml")
+REQUIRED_SCALARS = [
+    "train/reward", "train/reward_std", "train/frac_reward_zero_std", "train/entropy", "train/kl",
+    "train/loss", "train/clip_ratio/low", "train/clip_ratio/high", "train/is_ratio/mean",
+    "train/completion_length/mean", "train/completion_length/max", "train/clipped_ratio",
+    "train/grad_norm", "train/lr", "train/rewards/accuracy", "train/rewards/format",
+    "aqn/sigma", "aqn/stage", "aqn/fraction_changed", "time/generate", "time/train",
+]
+
+
+def fast_args(tmp_path, steps, extra=(), schedule="cosine"):
+    """The quickstart YAML, shortened (fewer prompts and tokens), with output under tmp_path."""
+    cfg = yaml.safe_load(Path(QUICKSTART).read_text())
+    cfg["trainer"].update(max_steps=steps, enable_progress_bar=False)
+    cfg["trainer"]["logger"]["init_args"]["save_dir"] = f"{tmp_path}/logs"
+    for cb in cfg["trainer"]["callbacks"]:
+        args = cb.setdefault("init_args", {})
+        if cb["class_path"].endswith("ModelCheckpoint"):
+            args.update(dirpath=f"{tmp_path}/ckpt", every_n_train_steps=1)
+        if cb["class_path"].endswith("RolloutCallback"):
+            args["sampling"]["max_new_tokens"] = 12
+            args.update(overlong_buffer=12, log_completions_every_n_steps=1)
+    cfg["data"]["prompts_per_step"] = 2
+    cfg["model"]["optimizer"]["schedule"] = schedule
+    Path(tmp_path).mkdir(parents=True, exist_ok=True)
+    path = Path(tmp_path) / "config.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    return ["--config", str(path), *extra]
+
+
+def scalars(log_dir):
+    files = glob.glob(f"{log_dir}/**/events.out.tfevents.*", recursive=True)
+    assert files, f"no event file under {log_dir}"
+    acc = EventAccumulator(files[0])
+    acc.Reload()
+    return {tag: [e.value for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}, acc
+
+
+def test_quickstart_cli_logs_every_scalar_and_trains_only_lora(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    cli = main(fast_args(tmp_path, 3), run=False)
+    cli.model.configure_model()
+    before = {n: (p.qdata.clone() if isinstance(p, NVFP4WeightTensor) else p.detach().clone())
+              for n, p in cli.model.model.named_parameters()}
+    cli.trainer.fit(cli.model, datamodule=cli.datamodule)
+
+    values, acc = scalars(f"{tmp_path}/logs")
+    for name in REQUIRED_SCALARS:
+        assert name in values, f"missing scalar {name}"
+        assert all(math.isfinite(v) for v in values[name]), (name, values[name])
+    assert len(values["train/reward"]) == 3
+    assert "completions/text_summary" in acc.Tags()["tensors"]  # the completions table
+
+    changed_lora = 0
+    for n, p in cli.model.model.named_parameters():
+        now = p.qdata if isinstance(p, NVFP4WeightTensor) else p.detach()
+        if "lora_" in n:
+            changed_lora += int(not torch.equal(now, before[n]))
+        else:
+            assert torch.equal(now, before[n]), f"frozen weight changed: {n}"
+    assert changed_lora > 0
+    assert (Path(cli.trainer.log_dir) / "adapter" / "adapter_config.json").exists()
+
+
+def test_checkpoint_holds_only_trainable_params_and_resume_matches_straight_run(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    # A constant LR: the cosine schedule spans max_steps, which differs between a 2-step and a
+    # 4-step run by design, so only a constant schedule makes "2 + resume 2" comparable to "4".
+    straight = main(["fit", *fast_args(tmp_path / "a", 4, schedule="constant")])
+    final_straight = {n: p.detach().clone() for n, p in straight.model.model.named_parameters() if p.requires_grad}
+
+    main(["fit", *fast_args(tmp_path / "b", 2, schedule="constant")])
+    ckpt = torch.load(tmp_path / "b" / "ckpt" / "last.ckpt", weights_only=False)
+    assert ckpt["state_dict"] and all("lora_" in k for k in ckpt["state_dict"])
+    assert ckpt["global_step"] == 2
+    resumed = main(["fit", *fast_args(tmp_path / "b", 4, ["--ckpt_path", "last"], schedule="constant")])
+    assert resumed.trainer.global_step == 4
+    for n, p in resumed.model.model.named_parameters():
+        if p.requires_grad:
+            assert torch.allclose(p, final_straight[n], atol=1e-6), (n, (p - final_straight[n]).abs().max())
