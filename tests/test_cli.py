@@ -92,3 +92,24 @@ def test_checkpoint_holds_only_trainable_params_and_resume_matches_straight_run(
     for n, p in resumed.model.model.named_parameters():
         if p.requires_grad:
             assert torch.allclose(p, final_straight[n], atol=1e-6), (n, (p - final_straight[n]).abs().max())
+
+
+# Pinned on the 2-core CPU dev box (torch 2.13 CPU). Tolerance: 1e-3 relative (1e-9 absolute),
+# room for BLAS summation-order differences between CPUs; any change to sampling, the loss, the
+# advantages, NVFP4 numerics or AQN shows up far above that.
+EXPECTED_TWO_STEPS = {
+    "train/reward": [-1.0, -0.7916666865348816],  # step 0: every completion hits the length cap
+    "train/loss": [0.0, 1.0238090908387676e-06],  # on-policy GRPO surrogate ~0 + 0.01 * k3 KL
+    "train/entropy": [4.531223297119141, 4.525984764099121],
+    "train/kl": [0.0, 0.00011855050252052024],
+    "train/grad_norm": [0.0, 1.3673323392868042],
+}
+
+
+def test_two_seeded_steps_regression(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    main(["fit", *fast_args(tmp_path, 2)])
+    values, _ = scalars(f"{tmp_path}/logs")
+    got = {k: values[k] for k in EXPECTED_TWO_STEPS}
+    for name, expected in EXPECTED_TWO_STEPS.items():
+        assert got[name] == pytest.approx(expected, rel=1e-3, abs=1e-9), (name, got[name])
