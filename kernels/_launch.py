@@ -140,7 +140,7 @@ def _launch_fused(op, a, qdata, scale_u8, pts, out, cfg: Config):
     use_asm = not _interpret()
     grid = (tiles_m, tiles_o, split)
     kern = K_._fwd_kernel if op == "fwd" else K_._bwd_kernel
-    kern[grid](a, qdata, scale_u8, pts, out, ws, cnt, M, N, K, a.stride(0), out.stride(0), iters, split,
+    kern[grid](a, qdata, scale_u8, pts, out, ws, cnt, M, N, K, K // 16, a.stride(0), out.stride(0), iters, split,
                BM=BM, BN=cfg.BN, BK=cfg.BK, HAS_SPLIT=split > 1, SWAP=cfg.swap, USE_ASM=use_asm,
                EVEN_N=N % cfg.BN == 0, EVEN_K=K % cfg.BK == 0,
                num_warps=cfg.warps, num_stages=cfg.stages)
@@ -154,7 +154,7 @@ def dequantize(qdata, scale, per_tensor_scale, dtype=torch.bfloat16, out=None):
         out = torch.empty((N, K), dtype=dtype, device=qdata.device)
     BN, BK = 64, 256
     grid = (triton.cdiv(K, BK), triton.cdiv(N, BN))
-    K_._dequant_kernel[grid](qdata, scale.view(torch.uint8), _pts(per_tensor_scale), out, N, K,
+    K_._dequant_kernel[grid](qdata, scale.view(torch.uint8), _pts(per_tensor_scale), out, N, K, K // 16,
                              BN=BN, BK=BK, USE_ASM=not _interpret(), EVEN_N=N % BN == 0,
                              EVEN_K=K % BK == 0, num_warps=4)
     return out

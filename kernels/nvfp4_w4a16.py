@@ -12,11 +12,11 @@ and dequantizing in registers right before ``tl.dot`` (bf16 tensor cores). Desig
 
 * **Decode** (``_decode_tile``). Each 16-group of one row is 8 bytes, so a weight tile is loaded
   as ``[R, BK//16, 8]`` bytes plus its ``[R, BK//16]`` scales. On the GPU an inline-PTX block
-  decodes 4 packed bytes (8 codes) with 2 ``prmt`` + 4 x (2 shifts + 2 logic ops) + 4 packed
+  decodes 4 packed bytes (8 codes) with 2 ``prmt`` + 14 shift/logic ops + 4 packed
   ``bf16x2`` multiplies: the code is placed in a bf16 bit pattern worth ``e2m1 * 2^-126`` (0.5
   becomes a bf16 subnormal, as in Marlin) and multiplied by ``scale * 2^118``, so every decoded
   element is ``e2m1 * scale * 2^-8`` -- exact in bf16 (5 significant bits, range [2^-19, 10.5]).
-  That is ~2.75 integer/FMA-pipe ops per weight against ~10 for a naive per-nibble decode, which
+  That is 2.5 integer/FMA-pipe ops per weight against ~10 for a naive per-nibble decode, which
   matters because at M <= 16 the decode, not the MMA, competes with the memory stream.
   The per-tensor scale and the 2^8 are folded into the fp32 epilogue (exact: one scalar).
   ``USE_ASM=False`` selects an equivalent pure-Triton decode (fp16 bit trick) that the CPU
@@ -54,25 +54,28 @@ OUT_BIAS = tl.constexpr(2.0**8)
 # Operands (Triton packs sub-32-bit elements into 32-bit registers, pack=4):
 #   $0,$1: "even" results (low nibbles) of bytes (0,1) and (2,3);  $2,$3: "odd" (high nibbles)
 #   $4: the 4 packed bytes;  $5,$6: the bf16 scales of bytes (0,1) and (2,3)
-# prmt puts byte i in byte 0 and byte i+1 in byte 2 of a temp, so both halves of a bf16x2 are
-# built with the same shifts: sign -> bit 15/31, 3 magnitude bits -> bits 6..8 / 22..24.
+# prmt puts byte i in byte 1 and byte i+1 in byte 3 of a temp t, so the high nibbles sit at the top
+# of each 16-bit half: odd = (t & sign) | ((t >> 6) & mag) -- sign already at bit 15/31, the 3
+# magnitude bits move to 6..8 / 22..24 (bf16 exponent low bits + mantissa msb = e2m1 * 2^-126);
+# the low nibbles need one more shift. 20 ops per 8 codes (checked bit-exact in Python emulation
+# and exhaustively on the GPU, tests/test_kernels.py::test_gpu_decode_exhaustive).
 _DECODE_PTX = tl.constexpr("""
 {
 .reg .b32 t0, t1, a, b, z;
 mov.b32 z, 0x80008000;
-prmt.b32 t0, $4, $4, 0x1100;
-prmt.b32 t1, $4, $4, 0x3322;
-shl.b32 a, t0, 12; shl.b32 b, t0, 6;
+prmt.b32 t0, $4, $4, 0x1000;
+prmt.b32 t1, $4, $4, 0x3222;
+shl.b32 a, t0, 4; shr.b32 b, t0, 2;
 and.b32 a, a, 0x80008000; and.b32 b, b, 0x01C001C0; or.b32 a, a, b;
 fma.rn.bf16x2 $0, a, $5, z;
-shl.b32 a, t1, 12; shl.b32 b, t1, 6;
+shl.b32 a, t1, 4; shr.b32 b, t1, 2;
 and.b32 a, a, 0x80008000; and.b32 b, b, 0x01C001C0; or.b32 a, a, b;
 fma.rn.bf16x2 $1, a, $6, z;
-shl.b32 a, t0, 8; shl.b32 b, t0, 2;
-and.b32 a, a, 0x80008000; and.b32 b, b, 0x01C001C0; or.b32 a, a, b;
+shr.b32 b, t0, 6;
+and.b32 a, t0, 0x80008000; and.b32 b, b, 0x01C001C0; or.b32 a, a, b;
 fma.rn.bf16x2 $2, a, $5, z;
-shl.b32 a, t1, 8; shl.b32 b, t1, 2;
-and.b32 a, a, 0x80008000; and.b32 b, b, 0x01C001C0; or.b32 a, a, b;
+shr.b32 b, t1, 6;
+and.b32 a, t1, 0x80008000; and.b32 b, b, 0x01C001C0; or.b32 a, a, b;
 fma.rn.bf16x2 $3, a, $6, z;
 }
 """)
@@ -152,7 +155,7 @@ def _split_epilogue(acc, out_ptr, ws_ptr, cnt_ptr, r0, r1, n0, n1, stride0, stri
 
 @triton.jit(do_not_specialize=["M", "ITERS", "split"])
 def _fwd_kernel(x_ptr, q_ptr, s_ptr, pts_ptr, y_ptr, ws_ptr, cnt_ptr,
-                M, N, K, stride_xm, stride_ym, ITERS, split,
+                M, N, K, KG, stride_xm, stride_ym, ITERS, split,
                 BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, HAS_SPLIT: tl.constexpr,
                 SWAP: tl.constexpr, USE_ASM: tl.constexpr, EVEN_N: tl.constexpr,
                 EVEN_K: tl.constexpr):
@@ -166,7 +169,6 @@ def _fwd_kernel(x_ptr, q_ptr, s_ptr, pts_ptr, y_ptr, ws_ptr, cnt_ptr,
     pid_s = tl.program_id(2)
     rm = pid_m * BM + tl.arange(0, BM)
     rn = pid_n * BN + tl.arange(0, BN)
-    KG = K // 16
     kb0 = pid_s * ITERS
     kb1 = tl.minimum(kb0 + ITERS, tl.cdiv(K, BK))
     x_rows = x_ptr + rm.to(tl.int64)[:, None] * stride_xm
@@ -204,7 +206,7 @@ def _fwd_kernel(x_ptr, q_ptr, s_ptr, pts_ptr, y_ptr, ws_ptr, cnt_ptr,
 
 @triton.jit(do_not_specialize=["M", "ITERS", "split"])
 def _bwd_kernel(g_ptr, q_ptr, s_ptr, pts_ptr, gx_ptr, ws_ptr, cnt_ptr,
-                M, N, K, stride_gm, stride_xm, ITERS, split,
+                M, N, K, KG, stride_gm, stride_xm, ITERS, split,
                 BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, HAS_SPLIT: tl.constexpr,
                 SWAP: tl.constexpr, USE_ASM: tl.constexpr, EVEN_N: tl.constexpr,
                 EVEN_K: tl.constexpr):
@@ -218,7 +220,6 @@ def _bwd_kernel(g_ptr, q_ptr, s_ptr, pts_ptr, gx_ptr, ws_ptr, cnt_ptr,
     pid_s = tl.program_id(2)
     rm = pid_m * BM + tl.arange(0, BM)
     rk = pid_k * BK + tl.arange(0, BK)
-    KG = K // 16
     nb0 = pid_s * ITERS
     nb1 = tl.minimum(nb0 + ITERS, tl.cdiv(N, BN))
     g_rows = g_ptr + rm.to(tl.int64)[:, None] * stride_gm
@@ -258,7 +259,7 @@ def _bwd_kernel(g_ptr, q_ptr, s_ptr, pts_ptr, gx_ptr, ws_ptr, cnt_ptr,
 
 
 @triton.jit
-def _dequant_kernel(q_ptr, s_ptr, pts_ptr, w_ptr, N, K,
+def _dequant_kernel(q_ptr, s_ptr, pts_ptr, w_ptr, N, K, KG,
                     BN: tl.constexpr, BK: tl.constexpr, USE_ASM: tl.constexpr,
                     EVEN_N: tl.constexpr, EVEN_K: tl.constexpr):
     """w[N, K] = dequantized weight (pts applied) in w's dtype.  Grid: (cdiv(K,BK), cdiv(N,BN))."""
@@ -266,7 +267,7 @@ def _dequant_kernel(q_ptr, s_ptr, pts_ptr, w_ptr, N, K,
     pid_n = tl.program_id(1)
     rn = pid_n * BN + tl.arange(0, BN)
     rk = pid_k * BK + tl.arange(0, BK)
-    ev, od = _decode_tile(q_ptr, s_ptr, rn, pid_k * (BK // 16), N, K // 16, BN, BK // 16,
+    ev, od = _decode_tile(q_ptr, s_ptr, rn, pid_k * (BK // 16), N, KG, BN, BK // 16,
                           USE_ASM, EVEN_N, EVEN_K)
     w = tl.interleave(ev, od).to(tl.float32) * (tl.load(pts_ptr) * OUT_BIAS)
     ptrs = w_ptr + rn.to(tl.int64)[:, None] * K + rk[None, :]
