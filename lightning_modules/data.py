@@ -408,6 +408,16 @@ class PromptDataModule(L.LightningDataModule):
         """One loader per ``test_sources`` entry, in order."""
         return self._eval_loaders("test", self.test_names)
 
+    def draw_extra(self, num_prompts: int, seed: int) -> PromptBatch:
+        """Extra training prompts for DAPO dynamic sampling (refilling groups with no signal).
+
+        Drawn from a side stream seeded by ``(self.seed, seed)``, so the main stream and its
+        resumable position are untouched and a resumed run draws the same extras."""
+        examples, ids = self._prepared("train", "train")
+        gen = np.random.default_rng([self.seed, int(seed)])
+        picks = gen.choice(len(examples), size=min(num_prompts, len(examples)), replace=False)
+        return collate_examples([examples[i] for i in picks], [ids[i] for i in picks])
+
     # ------------------------------------------------------------------ data position
 
     def _count_on_yield(self) -> bool:

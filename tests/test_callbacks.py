@@ -1,0 +1,111 @@
+"""RolloutCallback (dynamic sampling, overlong shaping, noisy-norm sync) and AQNCallback wiring."""
+
+from types import SimpleNamespace
+
+import torch
+
+from callbacks import AQNCallback, RolloutCallback
+from lightning_modules.qerl_module import QeRLModule
+from qerl.aqn import ConstantNoise
+from qerl.rewards import RewardFunction
+from qerl.rollout import Generation, RolloutEngine, SamplingSettings
+
+
+class ScriptedEngine(RolloutEngine):
+    """Returns completions chosen per prompt by a script; records what sync received."""
+
+    def __init__(self, script):
+        self.script, self.synced = script, []
+
+    def sync(self, model, norm_scales=None):
+        self.synced.append(norm_scales)
+
+    def generate(self, prompt_ids, n, sampling, seed):
+        ids = [list(self.script[tuple(p)][i]) for p in prompt_ids for i in range(n)]
+        return Generation(ids, [[-1.0] * len(c) for c in ids], ["stop"] * len(ids))
+
+
+class CharIsA(RewardFunction):
+    name = "is_a"
+
+    def compute(self, completions, answers):
+        return [1.0 if c.startswith("a") else 0.0 for c in completions]
+
+
+def _module(tmp=None):
+    module = QeRLModule(model="tiny-qwen2", quantization="nvfp4", dtype="fp32")
+    module.configure_model()
+    return module
+
+
+def _trainer(callbacks, extra_prompts=None, step=0):
+    dm = SimpleNamespace(draw_extra=lambda n, seed: extra_prompts) if extra_prompts else None
+    return SimpleNamespace(global_step=step, callbacks=callbacks, datamodule=dm, loggers=[], is_global_zero=True,
+                           max_steps=10)
+
+
+def test_dynamic_sampling_drops_flat_groups_and_refills():
+    module = _module()
+    tok = module.tokenizer
+    enc = lambda s: tok(s)["input_ids"]  # noqa: E731
+    p_flat, p_mixed, p_extra = enc("x"), enc("y"), enc("z")
+    script = {tuple(p_flat): [enc("b"), enc("b")], tuple(p_mixed): [enc("a"), enc("b")],
+              tuple(p_extra): [enc("b"), enc("a")]}
+    cb = RolloutCallback(reward=CharIsA(), group_size=2, sampling=SamplingSettings(max_new_tokens=4),
+                         dynamic_sampling=True, max_refill_rounds=2)
+    cb.engine = ScriptedEngine(script)
+    extra = {"prompt_ids": [p_extra], "prompts": ["z"], "answers": ["-"]}
+    batch = {"prompt_ids": [p_flat, p_mixed], "prompts": ["x", "y"], "answers": ["-", "-"]}
+    cb.on_train_batch_start(_trainer([cb], extra), module, batch, 0)
+    rollout = batch["rollout"]
+    assert rollout.prompts == ["y", "y", "z", "z"]  # the flat group is gone, one refill took its place
+    assert rollout.rewards.tolist() == [1.0, 0.0, 0.0, 1.0]
+    assert rollout.num_groups_dropped == 1
+    assert rollout.completion_mask.sum().item() == 4
+
+
+def test_overlong_shaping_adds_penalty_component():
+    module = _module()
+    tok = module.tokenizer
+    p = tok("q")["input_ids"]
+    cb = RolloutCallback(reward=CharIsA(), group_size=2, sampling=SamplingSettings(max_new_tokens=4),
+                         overlong_buffer=4, overlong_penalty=1.0)
+    cb.engine = ScriptedEngine({tuple(p): [tok("a")["input_ids"], tok("abcd")["input_ids"]]})
+    batch = {"prompt_ids": [p], "prompts": ["q"], "answers": ["-"]}
+    cb.on_train_batch_start(_trainer([cb]), module, batch, 0)
+    r = batch["rollout"]
+    assert r.reward_components["overlong"].tolist() == [-0.25, -1.0]  # 1 of 4 and 4 of 4 tokens
+    assert r.rewards.tolist() == [0.75, 0.0]  # both start with "a": 1 + penalty
+
+
+def test_aqn_callback_sets_sigma_before_rollout_and_engine_gets_noisy_scales():
+    module = _module()
+    aqn = AQNCallback(controller=ConstantNoise(0.05), apply_to="rollout", seed=3)
+    logged = {}
+    module.log_dict = lambda d, **kw: logged.update(d)
+    tok = module.tokenizer
+    p = tok("q")["input_ids"]
+    cb = RolloutCallback(reward=CharIsA(), group_size=2, sampling=SamplingSettings(max_new_tokens=4))
+    cb.engine = ScriptedEngine({tuple(p): [tok("a")["input_ids"], tok("b")["input_ids"]]})
+    trainer = _trainer([cb, aqn], step=5)  # AQN listed after the rollout: order must not matter
+    aqn.on_fit_start(trainer, module)
+    cb.on_train_batch_start(trainer, module, {"prompt_ids": [p], "prompts": ["q"], "answers": ["-"]}, 0)
+    assert logged["aqn/sigma"] == 0.05 and logged["aqn/fraction_changed"] == 1.0
+    scales = cb.engine.synced[-1]
+    assert set(scales) == set(module.noisy_norms.names) and len(scales) == 2 * 2  # 2 layers x 2 norms
+    for name, scale in scales.items():
+        weight = dict(module.model.named_modules())[name].weight.float()
+        assert not torch.equal(scale, weight)
+        assert 0.02 < (scale - weight).std().item() < 0.08  # sigma = 0.05
+    # apply_to: rollout -> the training forwards run clean
+    assert module.noisy_norms.active
+    with module._training_noise():
+        assert not module.noisy_norms.active
+    # the same (seed, step) after a "resume" gives the same noise
+    fresh = _module()
+    aqn2 = AQNCallback(controller=ConstantNoise(0.05), seed=3)
+    fresh.log_dict = lambda d, **kw: None
+    aqn2.on_fit_start(trainer, fresh)
+    aqn2.prepare_step(trainer, fresh)
+    again = fresh.noisy_norms.effective_scales()
+    assert all(torch.equal(again[k], scales[k]) for k in scales)
