@@ -142,13 +142,15 @@ def _split_epilogue(acc, out_ptr, ws_ptr, cnt_ptr, r0, r1, n0, n1, stride0, stri
     else:
         loc = tl.arange(0, B0)[:, None] * B1 + tl.arange(0, B1)[None, :]
         tile_ws = ws_ptr + tile_id.to(tl.int64) * (B0 * B1)
-        tl.store(tile_ws + pid_s.to(tl.int64) * num_tiles * (B0 * B1) + loc, acc)
+        # only in-range elements travel (at M = 1 that is 1/16 of a BM = 16 tile)
+        tl.store(tile_ws + pid_s.to(tl.int64) * num_tiles * (B0 * B1) + loc, acc, mask=mask)
         tl.debug_barrier()                        # every thread's partial is stored ...
         prev = tl.atomic_add(cnt_ptr + tile_id, 1, sem="acq_rel", scope="gpu")   # ... then release
         if prev == split - 1:                     # last split of this tile: reduce in fixed order
             tot = tl.zeros((B0, B1), dtype=tl.float32)
             for s in range(split):
-                tot += tl.load(tile_ws + s * num_tiles * (B0 * B1) + loc, cache_modifier=".cg")
+                tot += tl.load(tile_ws + s * num_tiles * (B0 * B1) + loc, mask=mask, other=0.0,
+                               cache_modifier=".cg")
             tl.store(optr, (tot * scale).to(out_ptr.dtype.element_ty), mask=mask)
             tl.atomic_xchg(cnt_ptr + tile_id, 0, sem="relaxed", scope="gpu")
 
