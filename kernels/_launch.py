@@ -67,23 +67,22 @@ def _fused(BM, BN, BK, warps=4, stages=3, swap=False, **kw):
 # ~4.7 instructions per weight element per K step; the "swap" variants use wgmma with the weight as
 # the register A operand but pay more shuffles (~6.2/elem).
 def candidates(op: str, mb: int) -> list:
+    F = _fused
     if mb > 1024:
         return [DEQUANT]
     if mb <= 16:
-        return [_fused(16, 128, 128, 4, 4), _fused(16, 128, 128, 4, 4, waves=4.0),
-                _fused(16, 64, 128, 4, 4), _fused(16, 64, 256, 4, 3), _fused(16, 128, 256, 8, 3),
-                _fused(16, 256, 128, 8, 3), _fused(16, 128, 128, 4, 4, True)]
+        return [F(16, 128, 128, 4, 4), F(16, 64, 256, 4, 3), F(16, 64, 256, 4, 3, waves=8.0),
+                F(16, 32, 512, 4, 3), F(16, 128, 64, 4, 4), F(16, 128, 64, 4, 4, waves=8.0),
+                F(16, 64, 128, 4, 4), F(16, 128, 256, 8, 3)]
     if mb <= 32:
-        return [_fused(32, 128, 128, 4, 4), _fused(16, 128, 128, 4, 4), _fused(32, 64, 128, 4, 4),
-                _fused(32, 128, 128, 4, 4, True)]
+        return [F(32, 64, 128, 4, 4), F(32, 64, 256, 4, 3), F(32, 128, 128, 4, 4), F(16, 64, 256, 4, 3)]
     if mb <= 64:
-        return [_fused(64, 128, 128, 4, 4, True), _fused(64, 128, 128, 4, 4), _fused(32, 128, 128, 4, 4),
-                _fused(64, 256, 64, 8, 4, True), _fused(64, 64, 128, 4, 4, True)]
+        return [F(64, 64, 128, 4, 4, True), F(32, 64, 128, 4, 4), F(32, 64, 256, 4, 3),
+                F(64, 128, 128, 4, 4, True), F(64, 128, 64, 4, 4), DEQUANT]
     if mb <= 128:
-        return [_fused(128, 128, 64, 8, 4), _fused(64, 128, 128, 4, 4, True), _fused(128, 128, 128, 8, 3),
-                _fused(128, 256, 64, 8, 3), _fused(64, 128, 128, 4, 4)]
-    return [_fused(128, 128, 64, 8, 4), _fused(128, 256, 64, 8, 3), _fused(128, 128, 128, 8, 3),
-            _fused(64, 128, 128, 4, 4, True), DEQUANT]
+        return [F(64, 64, 128, 4, 4, True), F(64, 128, 128, 4, 4, True), F(128, 128, 64, 8, 4),
+                F(128, 128, 128, 8, 3), DEQUANT]
+    return [F(128, 128, 64, 8, 4), F(128, 128, 128, 8, 3), F(64, 128, 128, 4, 4, True), DEQUANT]
 
 
 def _bucket(M: int) -> int:

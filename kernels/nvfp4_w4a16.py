@@ -96,15 +96,20 @@ def _decode_tile(q_ptr, s_ptr, rn, g0, N, KG, BR: tl.constexpr, BG: tl.constexpr
     rg = g0 + tl.arange(0, BG)
     rb = tl.arange(0, 8)
     row = rn.to(tl.int64)
-    q_ptrs = q_ptr + row[:, None, None] * (KG * 8) + rg[None, :, None] * 8 + rb[None, None, :]
+    # q is loaded as a 2-D [BR, BG*8] tile (one contiguous run of BG*8 bytes per row) so that the
+    # loads coalesce along the row; a 3-D [BR, BG, 8] pointer tensor made Triton give each thread
+    # its own row, 32 cache lines per warp access: ncu showed L1 at 91% and DRAM at 19%.
+    rq = g0 * 8 + tl.arange(0, BG * 8)
+    q_ptrs = q_ptr + row[:, None] * (KG * 8) + rq[None, :]
     s_ptrs = s_ptr + row[:, None] * KG + rg[None, :]
     if EVEN_N and EVEN_K:
-        q = tl.load(q_ptrs)                                                     # [BR, BG, 8] u8
+        q = tl.load(q_ptrs)                                                     # [BR, BG*8] u8
         s = tl.load(s_ptrs)                                                     # [BR, BG] u8
     else:
         m2 = (rn[:, None] < N) & (rg[None, :] < KG)
-        q = tl.load(q_ptrs, mask=m2[:, :, None], other=0)
+        q = tl.load(q_ptrs, mask=(rn[:, None] < N) & (rq[None, :] < KG * 8), other=0)
         s = tl.load(s_ptrs, mask=m2, other=0)
+    q = tl.reshape(q, (BR, BG, 8))
     sf = s.to(tl.float8e4nv, bitcast=True).to(tl.float32)
     if USE_ASM:
         sb = tl.broadcast_to((sf * SCALE_BIAS).to(tl.bfloat16)[:, :, None], (BR, BG, 8))
