@@ -33,6 +33,7 @@ from lightning.pytorch.utilities import rank_zero_warn
 
 from qerl.losses import group_advantages, policy_loss, selective_log_softmax, entropy_from_logits, masked_mean
 from qerl.losses import truncated_is_weights
+from lightning_modules.evaluation import EvaluationMixin
 from qerl.model import LoraSettings, load_policy, load_tokenizer
 from qerl.rollout import Rollout
 
@@ -92,6 +93,27 @@ class OptimizerSettings:
     max_grad_norm: float = 0.2
 
 
+@dataclass
+class EvalSettings:
+    """Evaluation (validate / test / periodic validation during fit). AQN noise is never applied.
+
+    Args:
+        samples: sampled completions per problem for mean@k and pass@k (0 = greedy pass@1 only).
+        temperature: sampling temperature of those samples (the paper evaluates at 0.6).
+        top_p: nucleus mass of those samples (paper: 0.95).
+        max_new_tokens: completion cap for every evaluation completion.
+        use_adapter: False evaluates the base model alone (the "before" row of a table).
+        max_batch_size: sequences decoded together by the embedded engine.
+    """
+
+    samples: int = 0
+    temperature: float = 0.6
+    top_p: float = 0.95
+    max_new_tokens: int = 1024
+    use_adapter: bool = True
+    max_batch_size: int = 64
+
+
 def lr_factor(step: int, total: int, warmup_ratio: float, schedule: str) -> float:
     """Multiplier of the peak LR at optimizer step ``step`` of ``total``."""
     warmup = int(warmup_ratio * total)
@@ -105,16 +127,19 @@ def lr_factor(step: int, total: int, warmup_ratio: float, schedule: str) -> floa
     return 1.0
 
 
-class QeRLModule(L.LightningModule):
+class QeRLModule(EvaluationMixin, L.LightningModule):
     """The policy (frozen NVFP4/bf16 base + LoRA) and the RL update.
 
     Args:
         model: tiny-qwen2 | tiny-llama (built in code), a local directory, a Hugging Face id, or a .gguf file.
-        quantization: nvfp4 (QeRL) or bf16 (16-bit LoRA baseline) for the decoder linears.
+        quantization: nvfp4 (QeRL), nf4 (QLoRA baseline, bitsandbytes) or bf16 (16-bit LoRA) decoder linears.
         dtype: dtype of everything that is not NVFP4 (embeddings, norms, lm_head, activations).
         lora: adapter settings.
         loss: the RL objective.
         optimizer: AdamW and LR schedule.
+        eval: evaluation settings (pass@1 greedy; mean@k / pass@k sampled).
+        adapter_path: a peft adapter directory to load into the LoRA after building the model
+            (evaluate or continue a trained adapter); null starts from peft's init (B = 0, i.e. the base).
         gradient_checkpointing: recompute activations in backward (long completions on big models).
         seed: seeds the tiny model's random init (real models ignore it).
         warn_after_steps: warn when reward std is 0 or >= 90% of completions are truncated this many steps in a row.
@@ -123,11 +148,13 @@ class QeRLModule(L.LightningModule):
     def __init__(
         self,
         model: str = "tiny-qwen2",
-        quantization: Literal["bf16", "nvfp4"] = "nvfp4",
+        quantization: Literal["bf16", "nf4", "nvfp4"] = "nvfp4",
         dtype: Literal["bf16", "fp32", "fp16"] = "bf16",
         lora: LoraSettings | None = None,
         loss: LossSettings | None = None,
         optimizer: OptimizerSettings | None = None,
+        eval: EvalSettings | None = None,
+        adapter_path: str | None = None,
         gradient_checkpointing: bool = False,
         seed: int = 0,
         warn_after_steps: int = 5,
@@ -140,6 +167,8 @@ class QeRLModule(L.LightningModule):
         self.lora_settings = lora or LoraSettings()
         self.loss_settings = loss or LossSettings()
         self.optim_settings = optimizer or OptimizerSettings()
+        self.eval_settings = eval or EvalSettings()
+        self.adapter_path = adapter_path
         self.gradient_checkpointing = gradient_checkpointing
         self.warn_after_steps = warn_after_steps
         self.model: torch.nn.Module | None = None
@@ -166,6 +195,11 @@ class QeRLModule(L.LightningModule):
         )
         self._tokenizer = self._tokenizer or tokenizer
         self.model.train()  # loaders return eval mode; LoRA dropout must be live in training
+        if self.adapter_path:
+            from peft import set_peft_model_state_dict
+            from peft.utils import load_peft_weights
+
+            set_peft_model_state_dict(self.model, load_peft_weights(self.adapter_path, device=str(self.device)))
         if self.gradient_checkpointing:
             self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
             self.model.enable_input_require_grads()

@@ -30,7 +30,7 @@ from qerl.tiny import TINY_MODEL_NAMES, build_tiny_model, build_tiny_tokenizer
 
 log = logging.getLogger(__name__)
 
-Quantization = Literal["bf16", "nvfp4"]
+Quantization = Literal["bf16", "nf4", "nvfp4"]
 DECODER_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 # Projections that vLLM fuses into one GEMM and that must therefore share a per-tensor scale.
 SHARED_SCALE_GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
@@ -129,6 +129,38 @@ def quantize_decoder_linears(model: nn.Module, device: str | torch.device = "cpu
     return count
 
 
+@torch.no_grad()
+def quantize_decoder_linears_nf4(model: nn.Module, device: str | torch.device = "cpu") -> int:
+    """The QLoRA baseline: replace decoder linears by bitsandbytes ``Linear4bit`` (NF4, blocks of 64,
+    double-quantized absmax as in QLoRA and the paper), one layer at a time on ``device``.
+
+    bitsandbytes (>= 0.45) runs NF4 on CPU and CUDA, so the same baseline works in CPU tests and on
+    the H200; torchao's NF4Tensor is not wrapped by peft's LoRA dispatch, bitsandbytes' is."""
+    try:
+        import bitsandbytes as bnb
+    except ImportError as err:
+        raise ImportError("quantization: nf4 needs bitsandbytes (pip install 'qerl[qlora]')") from err
+    count = 0
+    for layer in decoder_layers(model):
+        for name, mod in list(layer.named_modules()):
+            short = name.rsplit(".", 1)[-1]
+            if short not in DECODER_LINEARS or not isinstance(mod, nn.Linear):
+                continue
+            q = bnb.nn.Linear4bit(mod.in_features, mod.out_features, bias=mod.bias is not None,
+                                  compute_dtype=mod.weight.dtype, quant_type="nf4", compress_statistics=True,
+                                  device="meta")
+            q.weight = bnb.nn.Params4bit(mod.weight.data.to("cpu"), requires_grad=False, quant_type="nf4",
+                                         compress_statistics=True)
+            if mod.bias is not None:
+                q.bias = nn.Parameter(mod.bias.data.clone(), requires_grad=False)
+            q = q.to(device)  # Params4bit quantizes on the move
+            parent = layer.get_submodule(name.rsplit(".", 1)[0]) if "." in name else layer
+            setattr(parent, short, q)
+            count += 1
+    model.to(device)
+    return count
+
+
 def base_weight_bytes(model: nn.Module) -> dict[str, int]:
     """Bytes held by the frozen base: decoder linears (packed when NVFP4) and everything else."""
     linear, other = 0, 0
@@ -139,11 +171,22 @@ def base_weight_bytes(model: nn.Module) -> dict[str, int]:
         seen.add(id(p))
         if isinstance(p, NVFP4WeightTensor):
             linear += p.packed_nbytes()
+        elif type(p).__name__ == "Params4bit":  # NF4 codes + its (double-quantized) absmax state
+            state = getattr(p, "quant_state", None)
+            extra = 0 if state is None else sum(t.numel() * t.element_size() for t in _quant_state_tensors(state))
+            linear += p.numel() * p.element_size() + extra
         elif name.rsplit(".", 2)[-2] in DECODER_LINEARS or ".base_layer." in name:
             linear += p.numel() * p.element_size()
         else:
             other += p.numel() * p.element_size()
     return {"decoder_linears": linear, "other": other, "total": linear + other}
+
+
+def _quant_state_tensors(state) -> list[torch.Tensor]:
+    tensors = [state.absmax]
+    if getattr(state, "state2", None) is not None:
+        tensors += [state.state2.absmax, state.state2.code]
+    return [t for t in tensors if isinstance(t, torch.Tensor)]
 
 
 def count_parameters(model: nn.Module) -> dict[str, int]:
@@ -210,10 +253,13 @@ def load_policy(
     if quantization == "nvfp4":
         n = quantize_decoder_linears(model, device)
         log.info("quantized %d decoder linears to NVFP4", n)
+    elif quantization == "nf4":
+        n = quantize_decoder_linears_nf4(model, device)
+        log.info("quantized %d decoder linears to NF4 (bitsandbytes, double quantization)", n)
     elif quantization == "bf16":
         model.to(device)
     else:
-        raise ValueError(f"unknown quantization {quantization!r}; use 'bf16' or 'nvfp4'")
+        raise ValueError(f"unknown quantization {quantization!r}; use 'bf16', 'nf4' or 'nvfp4'")
     if lora is not None:
         model = add_lora(model, lora)
     sizes, counts = base_weight_bytes(model), count_parameters(model)

@@ -1,0 +1,123 @@
+"""Evaluation hooks of QeRLModule: pass@1 (greedy) and mean@k / pass@k (sampled) per dataset.
+
+Used by ``python train.py validate|test --config X`` and by periodic validation during ``fit``
+(``trainer.val_check_interval``). Completions come from the same rollout engine code and are
+scored by the same math-verify reward as training. AQN noise is off (the AQNCallback disables it
+for validation and test). Per run and stage, a JSON with every completion and a markdown table of
+the metrics are written to ``<log_dir>/eval/<stage>_step<global_step>.{json,md}``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+
+import torch
+
+from qerl.metrics import PassAtK
+from qerl.rewards import MathAccuracy, extract_answer
+from qerl.rollout import SamplingSettings
+
+
+class EvaluationMixin:
+    """validation_step / test_step for ``QeRLModule`` (expects ``model``, ``tokenizer``, ``eval_settings``)."""
+
+    def _eval_engine(self):
+        if getattr(self, "_evaluation_engine", None) is None:
+            from qerl.rollout.hf import HFEngine
+
+            tok = self.tokenizer
+            self._evaluation_engine = HFEngine([tok.eos_token_id], tok.pad_token_id, self.eval_settings.max_batch_size)
+            self._evaluation_scorer = MathAccuracy()
+        self._evaluation_engine.sync(self.model)
+        return self._evaluation_engine
+
+    def _dataset_names(self, stage: str) -> list[str]:
+        dm = getattr(self.trainer, "datamodule", None)
+        names = getattr(dm, "val_names" if stage == "val" else "test_names", None)
+        return list(names) if names else ["default"]
+
+    def _start_eval(self, stage: str) -> None:
+        k = self.eval_settings.samples
+        self._eval_metrics = {name: PassAtK(k).to(self.device) for name in self._dataset_names(stage)}
+        self._eval_records = {name: [] for name in self._eval_metrics}
+
+    def _eval_step(self, batch: dict, batch_idx: int, dataloader_idx: int, stage: str) -> None:
+        s, tok = self.eval_settings, self.tokenizer
+        name = list(self._eval_metrics)[dataloader_idx]
+        engine, scorer = self._eval_engine(), self._evaluation_scorer
+        adapter_off = self.model.disable_adapter() if not s.use_adapter else contextlib.nullcontext()
+        seed = 10_007 * (batch_idx + 1) + dataloader_idx
+        with adapter_off:
+            greedy = engine.generate(batch["prompt_ids"], 1, SamplingSettings(0.0, 1.0, 0, s.max_new_tokens), seed)
+            sampled = None
+            if s.samples > 0:
+                sampling = SamplingSettings(s.temperature, s.top_p, 0, s.max_new_tokens)
+                sampled = engine.generate(batch["prompt_ids"], s.samples, sampling, seed)
+        answers = list(batch["answers"])
+        greedy_text = tok.batch_decode(greedy.completion_ids, skip_special_tokens=True)
+        greedy_ok = torch.tensor(scorer(greedy_text, answers))  # (P,)
+        sampled_ok = None
+        if sampled is not None:
+            texts = tok.batch_decode(sampled.completion_ids, skip_special_tokens=True)
+            sampled_ok = torch.tensor(scorer(texts, [a for a in answers for _ in range(s.samples)])).view(-1, s.samples)
+        self._eval_metrics[name].update(greedy_ok, sampled_ok)
+        for i, text in enumerate(greedy_text):
+            self._eval_records[name].append({
+                "index": batch["indices"][i] if "indices" in batch else None, "prompt": batch["prompts"][i],
+                "gold": answers[i], "completion": text, "extracted": extract_answer(text),
+                "correct": bool(greedy_ok[i]), "finish": greedy.finish_reasons[i],
+                "sampled_correct": None if sampled_ok is None else sampled_ok[i].tolist(),
+            })
+
+    def _end_eval(self, stage: str) -> None:
+        results = {}
+        for name, metric in self._eval_metrics.items():
+            values = {k: float(v) for k, v in metric.compute().items()}
+            values["problems"] = len(self._eval_records[name])
+            results[name] = values
+            for key, value in values.items():
+                if key != "problems":
+                    self.log(f"{stage}/{name}/{key}", value, on_step=False, on_epoch=True, batch_size=1)
+        self._write_eval_report(stage, results)
+
+    def _write_eval_report(self, stage: str, results: dict) -> None:
+        log_dir = getattr(self.trainer, "log_dir", None)
+        if not log_dir or not self.trainer.is_global_zero:
+            return
+        out = os.path.join(log_dir, "eval")
+        os.makedirs(out, exist_ok=True)
+        stem = os.path.join(out, f"{stage}_step{self.trainer.global_step}")
+        s = self.eval_settings
+        with open(stem + ".json", "w") as f:
+            json.dump({"stage": stage, "global_step": self.trainer.global_step, "model": self.model_name,
+                       "quantization": self.quantization, "use_adapter": s.use_adapter,
+                       "max_new_tokens": s.max_new_tokens, "samples": s.samples, "metrics": results,
+                       "completions": self._eval_records}, f, indent=1)
+        keys = sorted({k for v in results.values() for k in v if k != "problems"})
+        lines = [f"| dataset | problems | {' | '.join(keys)} |", "|---|---|" + "---|" * len(keys)]
+        for name, values in results.items():
+            lines.append(f"| {name} | {values['problems']} | " + " | ".join(f"{100 * values[k]:.1f}%" for k in keys) + " |")
+        with open(stem + ".md", "w") as f:
+            f.write(f"{self.model_name} ({self.quantization}, adapter={'on' if s.use_adapter else 'off'}), "
+                    f"step {self.trainer.global_step}\n\n" + "\n".join(lines) + "\n")
+
+    # Lightning hooks
+    def on_validation_epoch_start(self) -> None:
+        self._start_eval("val")
+
+    def validation_step(self, batch, batch_idx, dataloader_idx: int = 0) -> None:
+        self._eval_step(batch, batch_idx, dataloader_idx, "val")
+
+    def on_validation_epoch_end(self) -> None:
+        self._end_eval("val")
+
+    def on_test_epoch_start(self) -> None:
+        self._start_eval("test")
+
+    def test_step(self, batch, batch_idx, dataloader_idx: int = 0) -> None:
+        self._eval_step(batch, batch_idx, dataloader_idx, "test")
+
+    def on_test_epoch_end(self) -> None:
+        self._end_eval("test")

@@ -1,0 +1,64 @@
+"""Evaluation metrics: the unbiased pass@k estimator and a torchmetrics accumulator.
+
+For a problem with n sampled completions of which c are correct, the probability that at least
+one of k completions drawn without replacement is correct is (Chen et al., 2021, Codex):
+
+    pass@k = 1 - C(n - c, k) / C(n, k)
+
+computed as a stable product. ``mean@k`` is the mean accuracy of the k samples (c / n), and
+``pass@1`` on greedy completions is the usual benchmark accuracy.
+"""
+
+from __future__ import annotations
+
+import torch
+from torchmetrics import Metric
+
+
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """Unbiased pass@k for one problem with ``n`` samples, ``c`` of them correct (k <= n)."""
+    if not 0 <= c <= n or not 1 <= k <= n:
+        raise ValueError(f"need 0 <= c <= n and 1 <= k <= n, got n={n}, c={c}, k={k}")
+    if n - c < k:
+        return 1.0
+    # 1 - prod_{i = n-c+1}^{n} (1 - k / i)
+    prob_all_wrong = 1.0
+    for i in range(n - c + 1, n + 1):
+        prob_all_wrong *= 1.0 - k / i
+    return 1.0 - prob_all_wrong
+
+
+class PassAtK(Metric):
+    """Accumulates per-problem correctness and reports pass@1 (greedy), mean@k and pass@k (sampled).
+
+    Args:
+        k: samples per problem for the sampled metrics (0 = greedy only).
+    """
+
+    full_state_update = False
+
+    def __init__(self, k: int = 0):
+        super().__init__()
+        self.k = k
+        self.add_state("greedy_correct", default=torch.tensor(0.0), dist_reduce_fx="sum")
+        self.add_state("sampled_mean", default=torch.tensor(0.0), dist_reduce_fx="sum")
+        self.add_state("sampled_pass", default=torch.tensor(0.0), dist_reduce_fx="sum")
+        self.add_state("problems", default=torch.tensor(0.0), dist_reduce_fx="sum")
+
+    def update(self, greedy_correct: torch.Tensor, sampled_correct: torch.Tensor | None = None) -> None:
+        """``greedy_correct``: (P,) 0/1; ``sampled_correct``: (P, k) 0/1, or None when k = 0."""
+        self.greedy_correct += greedy_correct.float().sum()
+        self.problems += greedy_correct.numel()
+        if sampled_correct is not None and self.k > 0:
+            n = sampled_correct.shape[1]
+            c = sampled_correct.float().sum(1)
+            self.sampled_mean += (c / n).sum()
+            self.sampled_pass += sum(pass_at_k(n, int(ci), self.k) for ci in c.tolist())
+
+    def compute(self) -> dict[str, torch.Tensor]:
+        p = self.problems.clamp(min=1)
+        out = {"pass@1": self.greedy_correct / p}
+        if self.k > 0:
+            out[f"mean@{self.k}"] = self.sampled_mean / p
+            out[f"pass@{self.k}"] = self.sampled_pass / p
+        return out

@@ -1,0 +1,81 @@
+"""Evaluation: pass@k estimator, the metric, `train.py validate`, and the three quantization arms."""
+
+import itertools
+import json
+import math
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+from test_cli import fast_args, scalars  # noqa: E402
+
+from qerl.metrics import PassAtK, pass_at_k  # noqa: E402
+from qerl.rewards import MathAccuracy  # noqa: E402
+from train import main  # noqa: E402
+
+
+@pytest.mark.parametrize("n,c,k", [(n, c, k) for n in range(1, 7) for c in range(n + 1) for k in range(1, n + 1)])
+def test_pass_at_k_equals_brute_force_enumeration(n, c, k):
+    outcomes = [1] * c + [0] * (n - c)
+    subsets = list(itertools.combinations(range(n), k))
+    brute = sum(any(outcomes[i] for i in s) for s in subsets) / len(subsets)
+    assert pass_at_k(n, c, k) == pytest.approx(brute, abs=1e-12)
+
+
+def test_pass_at_k_rejects_bad_counts():
+    with pytest.raises(ValueError):
+        pass_at_k(4, 5, 1)
+    with pytest.raises(ValueError):
+        pass_at_k(4, 1, 5)
+
+
+def test_metric_over_hand_made_completions():
+    score = MathAccuracy()
+    gold = ["0.5", "1000", "7"]
+    greedy = [r"so \boxed{\frac{1}{2}}", r"\boxed{1,000}", r"\boxed{8}"]  # right, right, wrong
+    sampled = [[r"\boxed{0.5}", r"\boxed{2}", r"\boxed{1/2}", r"\boxed{3}"],   # 2 of 4
+               [r"\boxed{10}", r"\boxed{100}", r"\boxed{1}", r"\boxed{0}"],     # 0 of 4
+               [r"\boxed{7}", r"\boxed{7}", r"\boxed{7}", r"\boxed{7}"]]       # 4 of 4
+    metric = PassAtK(k=2)
+    greedy_ok = torch.tensor(score(greedy, gold))
+    sampled_ok = torch.tensor(score([t for row in sampled for t in row], [g for g in gold for _ in range(4)])).view(3, 4)
+    metric.update(greedy_ok, sampled_ok)
+    out = {k: float(v) for k, v in metric.compute().items()}
+    assert out["pass@1"] == pytest.approx(2 / 3)
+    assert out["mean@2"] == pytest.approx((0.5 + 0 + 1) / 3)
+    # pass@2 with n=4: c=2 -> 1 - C(2,2)/C(4,2) = 5/6; c=0 -> 0; c=4 -> 1
+    assert out["pass@2"] == pytest.approx((5 / 6 + 0 + 1) / 3)
+
+
+def test_validate_on_quickstart_logs_pass_at_1_and_writes_report(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    cli = main(["validate", *fast_args(tmp_path, 2)])
+    logged = cli.trainer.callback_metrics
+    for key in ("val/arithmetic/pass@1", "val/arithmetic/mean@2", "val/arithmetic/pass@2"):
+        assert key in logged and math.isfinite(float(logged[key]))
+    assert cli.model.noisy_norms is None or not cli.model.noisy_norms.active
+    report = json.loads(next(Path(cli.trainer.log_dir).glob("eval/val_step0.json")).read_text())
+    assert report["metrics"]["arithmetic"]["problems"] == 8
+    assert len(report["completions"]["arithmetic"]) == 8
+    assert (Path(cli.trainer.log_dir) / "eval" / "val_step0.md").read_text().count("| arithmetic | 8 |") == 1
+
+
+def test_periodic_validation_during_fit_reaches_tensorboard(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    main(["fit", *fast_args(tmp_path, 2), "--trainer.val_check_interval=2"])
+    values, _ = scalars(f"{tmp_path}/logs")
+    assert "val/arithmetic/pass@1" in values
+
+
+@pytest.mark.parametrize("quantization", ["nf4", "nvfp4", "bf16"])
+def test_each_quantization_arm_trains_two_steps(quantization, tmp_path, monkeypatch):
+    pytest.importorskip("bitsandbytes") if quantization == "nf4" else None
+    monkeypatch.chdir(tmp_path)
+    cli = main(["fit", *fast_args(tmp_path, 2), f"--model.quantization={quantization}", "--model.dtype=bf16"])
+    values, _ = scalars(f"{tmp_path}/logs")
+    assert len(values["train/loss"]) == 2 and all(math.isfinite(v) for v in values["train/loss"])
+    trainable = [n for n, p in cli.model.model.named_parameters() if p.requires_grad]
+    assert trainable and all("lora_" in n for n in trainable)
