@@ -46,12 +46,14 @@ class Config:
     swap: bool = False
     split: int | None = None
     waves: float = 2.0          # target programs = waves * #SMs when choosing split
+    v2: bool = False            # compile with mma.sync (Triton's DISABLE_MMA_V3) instead of wgmma
 
     def short(self) -> str:
         if self.kind == "dequant":
             return "dequant+cublas"
         return (f"BM{self.BM} BN{self.BN} BK{self.BK} w{self.warps} s{self.stages}"
-                f"{' swap' if self.swap else ''} split={self.split or 'auto'}")
+                f"{' swap' if self.swap else ''}{' v2' if self.v2 else ''}"
+                f"{'' if self.waves == 2.0 else f' waves{self.waves:g}'} split={self.split or 'auto'}")
 
 
 DEQUANT = Config(kind="dequant")
@@ -71,18 +73,22 @@ def candidates(op: str, mb: int) -> list:
     if mb > 1024:
         return [DEQUANT]
     if mb <= 16:
-        return [F(16, 128, 128, 4, 4), F(16, 64, 256, 4, 3), F(16, 64, 256, 4, 3, waves=8.0),
-                F(16, 32, 512, 4, 3), F(16, 128, 64, 4, 4), F(16, 128, 64, 4, 4, waves=8.0),
-                F(16, 64, 128, 4, 4), F(16, 128, 256, 8, 3)]
+        return [F(16, 64, 256, 4, 3), F(16, 128, 128, 4, 4), F(16, 64, 128, 4, 4), F(16, 128, 64, 4, 4),
+                F(16, 64, 256, 4, 3, waves=8.0), F(16, 128, 64, 4, 4, waves=8.0), F(16, 64, 256, 8, 3),
+                F(16, 128, 128, 8, 4), F(16, 32, 256, 4, 4)]
     if mb <= 32:
-        return [F(32, 64, 128, 4, 4), F(32, 64, 256, 4, 3), F(32, 128, 128, 4, 4), F(16, 64, 256, 4, 3)]
+        return [F(32, 64, 128, 4, 4), F(32, 128, 64, 4, 4, True, v2=True), F(32, 64, 128, 4, 4, True, v2=True),
+                F(32, 64, 256, 4, 3), F(16, 64, 256, 4, 3)]
     if mb <= 64:
-        return [F(64, 64, 128, 4, 4, True), F(32, 64, 128, 4, 4), F(32, 64, 256, 4, 3),
-                F(64, 128, 128, 4, 4, True), F(64, 128, 64, 4, 4), DEQUANT]
+        return [F(64, 128, 64, 4, 4, True, v2=True), F(32, 64, 128, 4, 4), F(64, 64, 128, 4, 4, True, v2=True),
+                F(32, 128, 64, 4, 4, True, v2=True), F(64, 128, 64, 8, 4, True, v2=True),
+                F(64, 128, 64, 4, 4), F(64, 64, 128, 4, 4, True), DEQUANT]
     if mb <= 128:
-        return [F(64, 64, 128, 4, 4, True), F(64, 128, 128, 4, 4, True), F(128, 128, 64, 8, 4),
-                F(128, 128, 128, 8, 3), DEQUANT]
-    return [F(128, 128, 64, 8, 4), F(128, 128, 128, 8, 3), F(64, 128, 128, 4, 4, True), DEQUANT]
+        return [F(64, 128, 64, 4, 4, True, v2=True), F(128, 128, 64, 8, 4, True, v2=True),
+                F(64, 128, 64, 8, 4, True, v2=True), F(128, 128, 64, 8, 4), F(128, 128, 128, 8, 3),
+                F(64, 64, 128, 4, 4, True), DEQUANT]
+    return [DEQUANT, F(128, 128, 64, 8, 4), F(128, 128, 128, 8, 3), F(128, 128, 64, 8, 4, True, v2=True),
+            F(64, 128, 64, 8, 4, True, v2=True)]
 
 
 def _bucket(M: int) -> int:
@@ -139,6 +145,24 @@ def _launch_fused(op, a, qdata, scale_u8, pts, out, cfg: Config):
     use_asm = not _interpret()
     grid = (tiles_m, tiles_o, split)
     kern = K_._fwd_kernel if op == "fwd" else K_._bwd_kernel
+    if cfg.v2:
+        # At M = 32..128 with the weight as the MMA's A operand, Triton picks wgmma and stages the
+        # decoded tile through shared memory; mma.sync takes it from registers (SASS: ~6 instead of
+        # ~7.5-12 instructions per weight). DISABLE_MMA_V3 is read when the kernel is compiled and
+        # is part of Triton's on-disk cache key; MMA_V2 keys the in-memory cache.
+        old = os.environ.get("DISABLE_MMA_V3")
+        os.environ["DISABLE_MMA_V3"] = "1"
+        try:
+            kern[grid](a, qdata, scale_u8, pts, out, ws, cnt, M, N, K, K // 16, a.stride(0), out.stride(0),
+                       iters, split, BM=BM, BN=cfg.BN, BK=cfg.BK, HAS_SPLIT=split > 1, SWAP=cfg.swap,
+                       USE_ASM=use_asm, EVEN_N=N % cfg.BN == 0, EVEN_K=K % cfg.BK == 0, MMA_V2=True,
+                       num_warps=cfg.warps, num_stages=cfg.stages)
+        finally:
+            if old is None:
+                os.environ.pop("DISABLE_MMA_V3", None)
+            else:
+                os.environ["DISABLE_MMA_V3"] = old
+        return out
     kern[grid](a, qdata, scale_u8, pts, out, ws, cnt, M, N, K, K // 16, a.stride(0), out.stride(0), iters, split,
                BM=BM, BN=cfg.BN, BK=cfg.BK, HAS_SPLIT=split > 1, SWAP=cfg.swap, USE_ASM=use_asm,
                EVEN_N=N % cfg.BN == 0, EVEN_K=K % cfg.BK == 0,
@@ -193,17 +217,42 @@ def _choose(op, a, qdata, scale, pts, out) -> Config:
     return _TUNED[key]
 
 
-def tune(op, a, qdata, scale, pts, out, cands, rep_ms=25):
-    """Time each candidate (median ms, L2 flushed); returns [(ms, cfg)] fastest first."""
+def tune(op, a, qdata, scale, pts, out, cands, copy_bytes=2e8, reps=7):
+    """Time each candidate; returns [(ms, cfg)] fastest first.
+
+    Timing as in decode: a CUDA graph of back-to-back launches, replayed, CUDA-event median per
+    launch. Launches rotate over transient copies of the weight (~copy_bytes in all) so a weight
+    that fits in the 60 MB L2 is not timed from cache. Configs that fail (e.g. shared memory) are
+    skipped.
+    """
+    nbytes = qdata.numel() + scale.numel()
+    n_copies = max(0, min(31, int(copy_bytes // nbytes)))
+    weights = [(qdata, scale)] + [(qdata.clone(), scale.clone()) for _ in range(n_copies)]
+    n_launch = max(len(weights), 4)
     res = []
     for c in cands:
         try:
-            ms = triton.testing.do_bench(lambda: _run(op, a, qdata, scale, pts, out, c),
-                                         warmup=5, rep=rep_ms, return_mode="median")
-        except Exception as e:  # a config that does not compile (e.g. shared memory) is skipped
+            _run(op, a, qdata, scale, pts, out, c)              # compile + first-use allocations
+            torch.cuda.synchronize()
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g):
+                for i in range(n_launch):
+                    q, sc = weights[i % len(weights)]
+                    _run(op, a, q, sc, pts, out, c)
+            g.replay()
+            ts = []
+            for _ in range(reps):
+                e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                e0.record()
+                g.replay()
+                e1.record()
+                e1.synchronize()
+                ts.append(e0.elapsed_time(e1) / n_launch)
+            del g
+        except Exception as e:
             print(f"[kernels] skip {c.short()}: {type(e).__name__}: {str(e)[:120]}")
             continue
-        res.append((ms, c))
+        res.append((sorted(ts)[len(ts) // 2], c))
     res.sort(key=lambda t: t[0])
     return res
 

@@ -165,11 +165,13 @@ def _fwd_kernel(x_ptr, q_ptr, s_ptr, pts_ptr, y_ptr, ws_ptr, cnt_ptr,
                 M, N, K, KG, stride_xm, stride_ym, ITERS, split,
                 BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, HAS_SPLIT: tl.constexpr,
                 SWAP: tl.constexpr, USE_ASM: tl.constexpr, EVEN_N: tl.constexpr,
-                EVEN_K: tl.constexpr):
+                EVEN_K: tl.constexpr, MMA_V2: tl.constexpr = False):
     """y[M, N] = x[M, K] @ W[N, K]^T * pts.  Grid: (cdiv(M,BM), cdiv(N,BN), split).
 
     Each program owns rows [pid_n*BN, +BN) of W and K blocks [pid_s*ITERS, +ITERS).
     Even and odd k are reduced by two dots (x split the same way), see ``_decode_tile``.
+    MMA_V2 is not read here: it only keys the compiled variant that the launcher builds with
+    Triton's DISABLE_MMA_V3 (mma.sync instead of wgmma; see ``_launch.py``).
     """
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -216,7 +218,7 @@ def _bwd_kernel(g_ptr, q_ptr, s_ptr, pts_ptr, gx_ptr, ws_ptr, cnt_ptr,
                 M, N, K, KG, stride_gm, stride_xm, ITERS, split,
                 BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, HAS_SPLIT: tl.constexpr,
                 SWAP: tl.constexpr, USE_ASM: tl.constexpr, EVEN_N: tl.constexpr,
-                EVEN_K: tl.constexpr):
+                EVEN_K: tl.constexpr, MMA_V2: tl.constexpr = False):
     """gx[M, K] = g[M, N] @ W[N, K] * pts (reduction over N).  Grid: (cdiv(M,BM), cdiv(K,BK), split).
 
     Each program owns output columns [pid_k*BK, +BK) and N blocks [pid_s*ITERS, +ITERS); even and
