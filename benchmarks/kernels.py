@@ -166,7 +166,10 @@ def main():
     ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)),
                                                   "results", "kernels_h200.json"))
     ap.add_argument("--no-torchao", action="store_true")
+    ap.add_argument("--tune", action="store_true", help="ignore the pinned presets, autotune every shape")
     args = ap.parse_args()
+    if args.tune:
+        L.KERNEL_PRESETS.clear()
     Ms = [int(m) for m in args.ms.split(",")]
     torch.manual_seed(0)
     bw = copy_bandwidth()
@@ -199,6 +202,7 @@ def _write(path, bw, rows, sums):
             "torch": torch.__version__, "triton": __import__("triton").__version__,
             "python": platform.python_version(),
             "timing": "CUDA graph of R calls over R weight copies, CUDA-event median per call",
+            "configs": "presets (kernels/_presets.py)" if L.KERNEL_PRESETS else "autotuned in this run",
             "floor": "bytes(packed weight + e4m3 scales + x + y) / copy_bandwidth"}
     os.makedirs(os.path.dirname(path), exist_ok=True)
     with open(path, "w") as f:

@@ -285,3 +285,9 @@ def linear_grad_input(g, qdata, scale, pts, out=None, config: Config | None = No
 
 __all__ = ["Config", "DEQUANT", "candidates", "dequantize", "linear_forward", "linear_grad_input",
            "tune", "KERNEL_PRESETS", "replace"]
+
+
+from ._presets import qwen_presets  # noqa: E402  (needs _fused / DEQUANT above)
+
+if os.environ.get("QERL_KERNELS_PRESETS", "1") != "0":
+    KERNEL_PRESETS.update(qwen_presets())
