@@ -1,0 +1,297 @@
+"""Export a policy for serving: an NVFP4A16 compressed-tensors checkpoint (what vLLM loads for the
+rollouts and for evaluation), a dense 16-bit checkpoint (the baseline), and the LoRA adapter.
+
+Everything is written by hand (safetensors + ``config.json``) instead of ``save_pretrained``, so it
+also works for GGUF-loaded models, which transformers refuses to serialize (DESIGN.md).
+
+NVFP4 layout (compressed-tensors ``nvfp4-pack-quantized``, research/vllm.md §1.2), per quantized
+linear ``<m>`` with weight ``[N, K]``:
+
+- ``<m>.weight_packed``       uint8 ``[N, K/2]``, element 2j in the low nibble (= our ``qdata``);
+- ``<m>.weight_scale``        float8_e4m3fn ``[N, K/16]``, row-major block scales (= our ``scale``);
+- ``<m>.weight_global_scale`` fp32 ``[1]``, a *divisor*: ``2688 / amax = 1 / per_tensor_scale``.
+
+Everything else (embeddings, norms, lm_head, biases) stays under its HF name in 16 bits. A peft
+model exports its base (``base_layer`` weights, prefixes stripped, no ``lora_`` tensors) plus the
+adapter in ``<out>/adapter``. Norms are written as they currently are in the model (trained, when
+``trainable_norms`` is on; AQN noise lives outside the weights and is never exported).
+
+CLI: ``python -m qerl.export --model tiny-qwen2 --format nvfp4 --out DIR [--adapter PATH]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+from safetensors.torch import load_file, save_file
+from transformers import PreTrainedTokenizerBase
+
+from qerl.model import SHARED_SCALE_GROUPS, _parse_dtype, load_policy
+from qerl.nvfp4 import BLOCK_SIZE, NVFP4WeightTensor
+
+log = logging.getLogger(__name__)
+
+# The compressed-tensors release whose NVFP4A16 output we mirror (the one vLLM 0.25 pins).
+CT_FORMAT_VERSION = "0.17.0"
+NVFP4_FORMAT = "nvfp4-pack-quantized"
+ADAPTER_SUBDIR = "adapter"
+TRAINABLE_NORMS_FILE = "trainable_norms.safetensors"
+MAX_SHARD_BYTES = 5 * 2**30
+_PEFT_PREFIX = "base_model.model."
+
+# (bytes on disk, function producing the CPU tensor): tensors are materialized one shard at a time.
+Entry = tuple[int, Callable[[], torch.Tensor]]
+
+
+def nvfp4a16_quantization_config(ignore: list[str] | None = None) -> dict:
+    """The ``quantization_config`` compressed-tensors writes for preset NVFP4A16 (vllm.md §1.2)."""
+    weights = {
+        "actorder": None, "block_structure": None, "dynamic": False, "group_size": BLOCK_SIZE,
+        "num_bits": 4, "observer": "memoryless_minmax", "observer_kwargs": {},
+        "scale_dtype": "torch.float8_e4m3fn", "strategy": "tensor_group", "symmetric": True,
+        "type": "float", "zp_dtype": None,
+    }
+    group = {"format": NVFP4_FORMAT, "input_activations": None, "output_activations": None,
+             "targets": ["Linear"], "weights": weights}
+    return {
+        "config_groups": {"group_0": group}, "format": NVFP4_FORMAT, "global_compression_ratio": None,
+        "ignore": list(ignore if ignore is not None else ["lm_head"]), "kv_cache_scheme": None,
+        "quant_method": "compressed-tensors", "quantization_status": "compressed",
+        "sparsity_config": {}, "transform_config": {}, "version": CT_FORMAT_VERSION,
+    }
+
+
+def _is_peft(model: nn.Module) -> bool:
+    return hasattr(model, "peft_config") and hasattr(model, "get_base_model")
+
+
+def _hf_model(model: nn.Module) -> nn.Module:
+    """The transformers model inside a peft wrapper (or the model itself)."""
+    return model.get_base_model() if _is_peft(model) else model
+
+
+def hf_name(name: str) -> str:
+    """A parameter/module name with peft's wrapping removed: ``base_model.model.`` prefix,
+    ``.base_layer`` and ``.original_module`` (peft keeps the untouched weights there)."""
+    name = name[len(_PEFT_PREFIX):] if name.startswith(_PEFT_PREFIX) else name
+    return ".".join(p for p in name.split(".") if p not in ("base_layer", "original_module"))
+
+
+def _is_adapter(name: str) -> bool:
+    parts = name.split(".")
+    return any(p.startswith("lora_") for p in parts) or "modules_to_save" in parts
+
+
+def base_tensors(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """``(HF name, tensor)`` for every parameter and persistent buffer of the (peft-free) base.
+    A tied tensor (e.g. ``lm_head`` = ``embed_tokens``) is yielded once, under its first name."""
+    seen: set[int] = set()
+    names: set[str] = set()
+    for mod_name, module in model.named_modules():
+        if _is_adapter(mod_name):
+            continue
+        persistent = [(n, b) for n, b in module._buffers.items() if n not in module._non_persistent_buffers_set]
+        for local, t in [*module._parameters.items(), *persistent]:
+            if t is None or id(t) in seen:
+                continue
+            seen.add(id(t))
+            name = hf_name(f"{mod_name}.{local}" if mod_name else local)
+            if name in names:
+                raise ValueError(f"two tensors map to the exported name {name!r}")
+            names.add(name)
+            yield name, t
+
+
+def _dense(t: torch.Tensor, dtype: torch.dtype) -> Entry:
+    """A plain tensor, floats cast to ``dtype`` (integer buffers kept as they are)."""
+    out_dtype = dtype if t.is_floating_point() else t.dtype
+    return t.numel() * out_dtype.itemsize, lambda: t.detach().to("cpu", out_dtype).contiguous()
+
+
+def _dequantized(t: torch.Tensor, dtype: torch.dtype) -> Entry:
+    """A quantized weight (NVFP4, or bitsandbytes NF4 of the QLoRA arm) decoded to dense ``dtype``."""
+    if isinstance(t, NVFP4WeightTensor):
+        make = lambda: t.dequantize(dtype).cpu().contiguous()  # noqa: E731
+        return t.numel() * dtype.itemsize, make
+    from bitsandbytes.functional import dequantize_4bit
+
+    state = t.quant_state
+    return state.shape.numel() * dtype.itemsize, lambda: dequantize_4bit(t.data, state).to("cpu", dtype).contiguous()
+
+
+def _linear_names(model: nn.Module) -> set[str]:
+    return {hf_name(n) for n, m in model.named_modules() if isinstance(m, nn.Linear) and not _is_adapter(n)}
+
+
+def _warn_unshared_scales(scales: dict[str, torch.Tensor]) -> None:
+    """vLLM fuses q/k/v and gate/up into one GEMM with one global scale (max over shards): warn
+    when a group's scales differ, since vLLM would then decode some shards with the wrong scale."""
+    for prefix in scales:
+        parent, short = prefix.rpartition(".")[::2]
+        for group in SHARED_SCALE_GROUPS:
+            if short != group[0]:
+                continue
+            vals = [scales.get(f"{parent}.{g}") for g in group]
+            if all(v is not None for v in vals) and not all(torch.equal(vals[0], v) for v in vals[1:]):
+                log.warning("%s.{%s} have different global scales; vLLM will fuse them with max()", parent, ",".join(group))
+
+
+def _write_safetensors(entries: dict[str, Entry], out: Path, max_shard_bytes: int) -> None:
+    """``model.safetensors``, or ``model-0000i-of-0000n.safetensors`` + index when larger than
+    ``max_shard_bytes``; stale weight files from an earlier export in ``out`` are removed first."""
+    for old in [*out.glob("model*.safetensors"), out / "model.safetensors.index.json"]:
+        old.unlink(missing_ok=True)
+    shards: list[dict[str, Entry]] = [{}]
+    size = 0
+    for name, entry in entries.items():
+        if shards[-1] and size + entry[0] > max_shard_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][name] = entry
+        size += entry[0]
+    meta = {"format": "pt"}
+    if len(shards) == 1:
+        save_file({k: make() for k, (_, make) in shards[0].items()}, str(out / "model.safetensors"), metadata=meta)
+        return
+    weight_map: dict[str, str] = {}
+    for i, shard in enumerate(shards, 1):
+        fname = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
+        save_file({k: make() for k, (_, make) in shard.items()}, str(out / fname), metadata=meta)
+        weight_map.update(dict.fromkeys(shard, fname))
+    index = {"metadata": {"total_size": sum(n for n, _ in entries.values())}, "weight_map": weight_map}
+    (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+
+
+def _write_rest(model: nn.Module, tokenizer: PreTrainedTokenizerBase | None, out: Path, dtype: torch.dtype,
+                quantization_config: dict | None) -> None:
+    """config.json (any loader's ``quantization_config`` replaced), generation config, tokenizer, adapter."""
+    hf = _hf_model(model)
+    config = hf.config.to_dict()
+    config.pop("quantization_config", None)  # e.g. the GGUF loader's
+    config["architectures"] = [type(hf).__name__]
+    config["dtype"] = str(dtype).removeprefix("torch.")
+    if quantization_config is not None:
+        config["quantization_config"] = quantization_config
+    (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    if getattr(hf, "generation_config", None) is not None:
+        hf.generation_config.save_pretrained(out)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(out)
+    if _is_peft(model):
+        export_adapter(model, out / ADAPTER_SUBDIR)
+
+
+def export_nvfp4(model: nn.Module, tokenizer: PreTrainedTokenizerBase | None, out_dir: str | Path,
+                 dtype: str | torch.dtype = "bf16", max_shard_bytes: int = MAX_SHARD_BYTES) -> Path:
+    """Write a compressed-tensors NVFP4A16 checkpoint of ``model`` (plain HF or peft-wrapped; its
+    decoder linears must hold ``NVFP4WeightTensor``). Other tensors are cast to ``dtype`` (16-bit).
+    Every ``nn.Linear`` left unquantized (``lm_head``) is listed in ``ignore``. Returns ``out_dir``."""
+    dtype, out = _parse_dtype(dtype), Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    entries: dict[str, Entry] = {}
+    scales: dict[str, torch.Tensor] = {}
+    for name, t in base_tensors(model):
+        prefix, leaf = name.rpartition(".")[::2]
+        if not isinstance(t, NVFP4WeightTensor):
+            if hasattr(t, "quant_state"):
+                raise ValueError(f"{name} is bitsandbytes-quantized: export it with export_bf16 instead")
+            entries[name] = _dense(t, dtype)
+            continue
+        if leaf != "weight":
+            raise ValueError(f"NVFP4 tensor {name!r} is not a linear weight")
+        pts = t.per_tensor_scale.detach().float().cpu().reshape(1)
+        scales[prefix] = pts
+        entries[f"{prefix}.weight_packed"] = _dense(t.qdata, dtype)  # uint8: kept as is
+        entries[f"{prefix}.weight_scale"] = (t.scale.numel(), lambda s=t.scale: s.detach().cpu().contiguous())
+        entries[f"{prefix}.weight_global_scale"] = (4, lambda p=pts: torch.reciprocal(p))
+    if not scales:
+        raise ValueError("the model has no NVFP4 weights: load it with quantization 'nvfp4' first")
+    _warn_unshared_scales(scales)
+    ignore = sorted(_linear_names(model) - set(scales))
+    _write_safetensors(entries, out, max_shard_bytes)
+    _write_rest(model, tokenizer, out, dtype, nvfp4a16_quantization_config(ignore))
+    log.info("exported %d NVFP4 linears (+%d other tensors) to %s", len(scales), len(entries) - 3 * len(scales), out)
+    return out
+
+
+def export_bf16(model: nn.Module, tokenizer: PreTrainedTokenizerBase | None, out_dir: str | Path,
+                dtype: str | torch.dtype = "bf16", max_shard_bytes: int = MAX_SHARD_BYTES) -> Path:
+    """Write a dense checkpoint in ``dtype`` (NVFP4 / NF4 weights dequantized, no
+    ``quantization_config``); a peft model's adapter goes to ``<out>/adapter``. Returns ``out_dir``."""
+    dtype, out = _parse_dtype(dtype), Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    entries = {
+        name: _dequantized(t, dtype) if isinstance(t, NVFP4WeightTensor) or hasattr(t, "quant_state") else _dense(t, dtype)
+        for name, t in base_tensors(model)
+    }
+    _write_safetensors(entries, out, max_shard_bytes)
+    _write_rest(model, tokenizer, out, dtype, None)
+    log.info("exported %d dense tensors (%s) to %s", len(entries), dtype, out)
+    return out
+
+
+def export_adapter(peft_model: nn.Module, out_dir: str | Path) -> Path:
+    """peft ``save_pretrained`` of the adapter (``adapter_model.safetensors`` +
+    ``adapter_config.json``); trainable non-LoRA parameters (the RMSNorm scales of
+    ``trainable_norms``) go to ``trainable_norms.safetensors`` under their HF names."""
+    if not _is_peft(peft_model):
+        raise ValueError("export_adapter needs a peft model")
+    out = Path(out_dir)
+    peft_model.save_pretrained(out)
+    norms = {hf_name(n): p.detach().cpu().contiguous() for n, p in peft_model.named_parameters()
+             if p.requires_grad and not _is_adapter(n)}
+    (out / TRAINABLE_NORMS_FILE).unlink(missing_ok=True)
+    if norms:
+        save_file(norms, str(out / TRAINABLE_NORMS_FILE), metadata={"format": "pt"})
+    return out
+
+
+def load_adapter(model: nn.Module, adapter_dir: str | Path) -> nn.Module:
+    """Inverse of :func:`export_adapter`: wrap ``model`` with the saved adapter and load the
+    trainable norms (marked trainable again, so a re-export writes them too)."""
+    from peft import PeftModel
+
+    peft_model = PeftModel.from_pretrained(model, str(adapter_dir))
+    norms_file = Path(adapter_dir) / TRAINABLE_NORMS_FILE
+    if norms_file.exists():
+        norms = load_file(str(norms_file))
+        base = peft_model.get_base_model()
+        unexpected = base.load_state_dict(norms, strict=False).unexpected_keys
+        if unexpected:
+            raise ValueError(f"{norms_file} has tensors the model lacks: {unexpected[:5]}")
+        for name in norms:
+            base.get_parameter(name).requires_grad_(True)
+    return peft_model
+
+
+def main(argv: list[str] | None = None) -> Path:
+    parser = argparse.ArgumentParser(prog="python -m qerl.export", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", required=True, help="tiny-qwen2 | tiny-llama | model dir | HF id | .gguf")
+    parser.add_argument("--format", choices=["nvfp4", "bf16"], default="nvfp4")
+    parser.add_argument("--out", required=True, help="output directory")
+    parser.add_argument("--adapter", default=None, help="peft adapter dir (written by export_adapter / save_pretrained)")
+    parser.add_argument("--dtype", default="bf16", help="dtype of the 16-bit tensors (bf16 | fp16)")
+    parser.add_argument("--device", default="cpu", help="where to quantize (cuda is faster for big models)")
+    parser.add_argument("--from-nvfp4", action="store_true",
+                        help="with --format bf16: export the dequantized NVFP4 weights instead of the originals")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the tiny random models")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    quantization = "nvfp4" if args.format == "nvfp4" or args.from_nvfp4 else "bf16"
+    model, tokenizer = load_policy(args.model, quantization, None, dtype=args.dtype, device=args.device, seed=args.seed)
+    if args.adapter:
+        model = load_adapter(model, args.adapter)
+    export = export_nvfp4 if args.format == "nvfp4" else export_bf16
+    out = export(model, tokenizer, args.out, dtype=args.dtype)
+    print(out)
+    return out
+
+
+if __name__ == "__main__":
+    main()

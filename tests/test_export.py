@@ -1,0 +1,295 @@
+"""Export: the NVFP4A16 compressed-tensors checkpoint (checked against compressed-tensors' own
+decompressor and config objects, and transformers' compressed-tensors loader), the dense bf16
+checkpoint, the adapter, and the CLI."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM
+
+from qerl.export import (
+    ADAPTER_SUBDIR,
+    TRAINABLE_NORMS_FILE,
+    export_adapter,
+    export_bf16,
+    export_nvfp4,
+    hf_name,
+    load_adapter,
+    main,
+)
+from qerl.model import (
+    DECODER_LINEARS,
+    SHARED_SCALE_GROUPS,
+    LoraSettings,
+    decoder_layers,
+    load_base_model,
+    load_policy,
+    quantize_decoder_linears,
+)
+from qerl.nvfp4 import NVFP4WeightTensor
+
+ROOT = Path(__file__).resolve().parents[1]
+SEED = 1
+
+
+def _ids(seed=0, shape=(2, 12)):
+    return torch.randint(4, 100, shape, generator=torch.Generator().manual_seed(seed))
+
+
+def _trained_lora_policy(arch="tiny-qwen2", dtype="bf16"):
+    """An NVFP4 policy with a non-zero adapter and moved (trainable) norms, as after training."""
+    model, tok = load_policy(arch, "nvfp4", LoraSettings(rank=4, alpha=8, trainable_norms=True), dtype=dtype, seed=SEED)
+    gen = torch.Generator().manual_seed(7)
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if "lora_B" in n:
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.3)
+            elif p.requires_grad and "lora_" not in n:  # the trainable norms
+                p.add_(torch.randn(p.shape, generator=gen) * 0.1)
+    return model, tok
+
+
+def _nvfp4_weights(model):
+    """HF module prefix -> NVFP4WeightTensor."""
+    return {hf_name(n.rsplit(".", 1)[0]): p for n, p in model.named_parameters() if isinstance(p, NVFP4WeightTensor)}
+
+
+@pytest.fixture(scope="module", params=["tiny-qwen2+lora", "tiny-llama"])
+def nvfp4_export(request, tmp_path_factory):
+    """(model, export dir): a peft-wrapped Qwen2 with trained adapter + norms, and a plain Llama."""
+    arch, _, lora = request.param.partition("+")
+    model, tok = _trained_lora_policy(arch) if lora else load_policy(arch, "nvfp4", None, dtype="bf16", seed=SEED)
+    out = export_nvfp4(model, tok, tmp_path_factory.mktemp("nvfp4"))
+    return model, out
+
+
+def _ulp_distance_bf16(a: torch.Tensor, b: torch.Tensor) -> int:
+    assert a.dtype == b.dtype == torch.bfloat16
+    ai, bi = a.view(torch.int16).int(), b.view(torch.int16).int()
+    same_sign = (a.sign() == b.sign()) | (a == 0) | (b == 0)
+    assert same_sign.all()
+    return int(((ai & 0x7FFF) - (bi & 0x7FFF)).abs().max())
+
+
+def test_layout_and_compressed_tensors_decoder(nvfp4_export):
+    """Tensor names/dtypes/shapes of vllm.md §1.2, and compressed-tensors' NVFP4 decompressor
+    decodes them to our dequantize(): bit-exact codes and block scales; the decoded weights agree to
+    <= 1 bf16 ulp (exact on these models) and <= 2 fp32 ulp (CT divides by 1/pts, we multiply by pts)."""
+    pytest.importorskip("compressed_tensors")
+    from compressed_tensors.compressors.nvfp4.base import NVFP4PackedCompressor
+    from compressed_tensors.compressors.nvfp4.helpers import unpack_fp4_from_uint8
+    from compressed_tensors.quantization import preset_name_to_scheme
+    from compressed_tensors.quantization.lifecycle.forward import dequantize
+
+    model, out = nvfp4_export
+    sd = load_file(out / "model.safetensors")
+    scheme = preset_name_to_scheme("NVFP4A16", ["Linear"])
+    weights = _nvfp4_weights(model)
+    assert len(weights) == model.config.num_hidden_layers * len(DECODER_LINEARS)
+    exact = True
+    for prefix, w in weights.items():
+        n, k = w.shape
+        packed, scale, gscale = (sd[f"{prefix}.{s}"] for s in ("weight_packed", "weight_scale", "weight_global_scale"))
+        assert f"{prefix}.weight" not in sd
+        assert (packed.dtype, tuple(packed.shape)) == (torch.uint8, (n, k // 2))
+        assert (scale.dtype, tuple(scale.shape)) == (torch.float8_e4m3fn, (n, k // 16))
+        assert (gscale.dtype, tuple(gscale.shape)) == (torch.float32, (1,))
+        assert torch.equal(packed, w.qdata) and torch.equal(scale.view(torch.uint8), w.scale.view(torch.uint8))
+        assert gscale.item() == pytest.approx(1 / w.per_tensor_scale.item(), rel=1e-7)  # divisor convention
+        state = NVFP4PackedCompressor.decompress({"weight_packed": packed, "weight_scale": scale,
+                                                  "weight_global_scale": gscale}, scheme)
+        ours = w.dequantize(torch.bfloat16)
+        assert _ulp_distance_bf16(state["weight"], ours) <= 1, prefix
+        exact &= torch.equal(state["weight"], ours)
+        ct32 = dequantize(unpack_fp4_from_uint8(packed, n, k, torch.float32), scale.float(), args=scheme.weights,
+                          global_scale=gscale, dtype=torch.float32)
+        torch.testing.assert_close(ct32, w.dequantize(torch.float32), rtol=2**-22, atol=0)
+    assert exact  # bf16-exact on these seeded models (the contract above is <= 1 ulp)
+
+
+def test_quantization_config_matches_compressed_tensors(nvfp4_export, tmp_path):
+    """config.json's quantization_config equals what compressed-tensors itself emits for preset
+    NVFP4A16 (ModelCompressor.update_config), field by field, and parses to the same object."""
+    pytest.importorskip("compressed_tensors")
+    from compressed_tensors.compressors import ModelCompressor
+    from compressed_tensors.quantization import QuantizationConfig, preset_name_to_scheme
+
+    _, out = nvfp4_export
+    config = json.loads((out / "config.json").read_text())
+    ours = config["quantization_config"]
+    scheme = preset_name_to_scheme("NVFP4A16", ["Linear"])
+    scheme.format = "nvfp4-pack-quantized"
+    ref_cfg = QuantizationConfig(config_groups={"group_0": scheme}, format="nvfp4-pack-quantized",
+                                 ignore=["lm_head"], quantization_status="compressed")
+    ModelCompressor(quantization_config=ref_cfg).update_config(str(tmp_path))
+    emitted = json.loads((tmp_path / "config.json").read_text())["quantization_config"]
+
+    def check(ref, got, path):
+        for key, val in ref.items():
+            if key in ("version", "moe_sparsity_config") and path == "":  # version-specific extras
+                continue
+            assert key in got, f"{path}{key}"
+            if isinstance(val, dict) and val:
+                check(val, got[key], f"{path}{key}.")
+            else:
+                assert got[key] == val, f"{path}{key}: {got[key]!r} != {val!r}"
+
+    check(emitted, ours, "")
+    assert ours["quant_method"] == "compressed-tensors" and ours["version"]
+    calibration_only = {"observer", "observer_kwargs"}  # llm-compressor calibration metadata
+    parsed = QuantizationConfig.model_validate(ours).model_dump()
+    expected = ref_cfg.model_dump()
+    for cfg in (parsed, expected):
+        for key in calibration_only:
+            cfg["config_groups"]["group_0"]["weights"].pop(key, None)
+    assert parsed == expected
+    assert config["architectures"] and config["dtype"] == "bfloat16"
+
+
+def test_fused_global_scales_shared_and_2688_over_amax(nvfp4_export):
+    """q/k/v (and gate/up) share one global scale per layer, = 2688 / amax of their concatenation."""
+    model, out = nvfp4_export
+    sd = load_file(out / "model.safetensors")
+    arch = "tiny-" + model.config.model_type
+    dense, _ = load_base_model(arch, dtype="bf16", seed=SEED)
+    for i, layer in enumerate(decoder_layers(dense)):
+        for group in SHARED_SCALE_GROUPS:
+            prefixes = [f"model.layers.{i}.{'mlp' if g in ('gate_proj', 'up_proj') else 'self_attn'}.{g}" for g in group]
+            scales = [sd[f"{p}.weight_global_scale"] for p in prefixes]
+            assert all(torch.equal(scales[0], s) for s in scales[1:]), prefixes
+            amax = max(layer.get_submodule(p.split(".", 3)[3]).weight.float().abs().max().item() for p in prefixes)
+            assert scales[0].item() == pytest.approx(448 * 6 / amax, rel=1e-6)
+
+
+def test_other_tensors_16bit_hf_names_no_lora(nvfp4_export):
+    """Embeddings, norms, lm_head, biases in bf16 under HF names; no peft names; adapter written
+    next to a peft model's export; trained norms exported as they are in the model."""
+    model, out = nvfp4_export
+    sd = load_file(out / "model.safetensors")
+    assert not any("lora_" in k or "base_layer" in k or k.startswith("base_model") for k in sd)
+    quant = {k for k in sd if k.endswith(("weight_packed", "weight_scale", "weight_global_scale"))}
+    fresh, _ = load_base_model("tiny-" + model.config.model_type, dtype="bf16", seed=SEED)
+    dense_names = {n for n in fresh.state_dict() if n.rsplit(".", 2)[-2] not in DECODER_LINEARS or n.endswith("bias")}
+    assert set(sd) - quant == dense_names
+    assert {"lm_head.weight", "model.embed_tokens.weight", "model.norm.weight"} <= dense_names
+    assert all(sd[k].dtype == torch.bfloat16 for k in dense_names)
+    current = {hf_name(n): p for n, p in model.named_parameters() if not isinstance(p, NVFP4WeightTensor)}
+    for k in dense_names:
+        assert torch.equal(sd[k], current[k].to(torch.bfloat16)), k
+    has_adapter = hasattr(model, "peft_config")
+    assert (out / ADAPTER_SUBDIR / "adapter_model.safetensors").exists() == has_adapter
+    if has_adapter:
+        norms = load_file(out / ADAPTER_SUBDIR / TRAINABLE_NORMS_FILE)
+        assert len(norms) == 2 * model.config.num_hidden_layers
+        assert all(torch.equal(v, sd[k]) for k, v in norms.items())
+    assert (out / "generation_config.json").exists() and (out / "tokenizer_config.json").exists()
+
+
+def test_transformers_loads_export_through_compressed_tensors(nvfp4_export):
+    """End to end: transformers' compressed-tensors loader finds every tensor (no missing/unexpected
+    keys), decompresses to our weights and gives our model's (base) logits exactly."""
+    pytest.importorskip("compressed_tensors")
+    model, out = nvfp4_export
+    loaded, info = AutoModelForCausalLM.from_pretrained(out, dtype=torch.bfloat16, output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"]
+    ids = _ids()
+    with torch.no_grad():
+        got = loaded(ids).logits  # first forward decompresses
+        if hasattr(model, "peft_config"):
+            with model.disable_adapter():
+                want = model(ids).logits
+        else:
+            want = model(ids).logits
+    for prefix, w in _nvfp4_weights(model).items():
+        assert _ulp_distance_bf16(loaded.get_submodule(prefix).weight.data, w.dequantize(torch.bfloat16)) <= 1
+    assert torch.equal(got, want)
+
+
+def test_bf16_export_reloads_with_dequantized_logits(tmp_path):
+    model, tok = load_policy("tiny-qwen2", "nvfp4", None, dtype="bf16", seed=SEED)
+    model.config.quantization_config = {"quant_method": "gguf"}  # what a GGUF load leaves behind
+    export_bf16(model, tok, tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    assert "quantization_config" not in config
+    assert all(v.dtype == torch.bfloat16 for v in load_file(tmp_path / "model.safetensors").values())
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.bfloat16)
+    ids = _ids(1)
+    with torch.no_grad():
+        assert torch.equal(reloaded(ids).logits, model(ids).logits)
+
+
+def test_adapter_export_reloads_with_peft(tmp_path):
+    model, _ = _trained_lora_policy(dtype="fp32")
+    export_adapter(model, tmp_path)
+    assert {"adapter_model.safetensors", "adapter_config.json", TRAINABLE_NORMS_FILE} <= set(os.listdir(tmp_path))
+    assert not any("lora_" in k for k in load_file(tmp_path / TRAINABLE_NORMS_FILE))
+    fresh, _ = load_policy("tiny-qwen2", "nvfp4", None, dtype="fp32", seed=SEED)
+    reloaded = load_adapter(fresh, tmp_path)
+    ids = _ids(2)
+    with torch.no_grad():
+        want = model(ids).logits
+        assert torch.equal(reloaded(ids).logits, want)
+        with model.disable_adapter():  # the adapter and the norms both matter
+            assert not torch.allclose(model(ids).logits, want)
+
+
+def test_tied_embeddings_and_sharding(tmp_path):
+    """A tied lm_head (Qwen2.5-0.5B) is written once (as embed_tokens); large exports shard."""
+    model, tok = load_base_model("tiny-qwen2", dtype="bf16", seed=SEED)
+    model.config.tie_word_embeddings = True
+    model.lm_head.weight = model.model.embed_tokens.weight
+    quantize_decoder_linears(model)
+    out = export_nvfp4(model, tok, tmp_path / "nvfp4", max_shard_bytes=8000)
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    assert not (out / "model.safetensors").exists() and len(set(index["weight_map"].values())) > 1
+    assert "lm_head.weight" not in index["weight_map"] and "model.embed_tokens.weight" in index["weight_map"]
+    assert json.loads((out / "config.json").read_text())["quantization_config"]["ignore"] == ["lm_head"]
+    dense = export_bf16(model, tok, tmp_path / "bf16", max_shard_bytes=8000)
+    reloaded = AutoModelForCausalLM.from_pretrained(dense, dtype=torch.bfloat16)
+    assert reloaded.lm_head.weight.data_ptr() == reloaded.model.embed_tokens.weight.data_ptr()
+    with torch.no_grad():
+        assert torch.equal(reloaded(_ids()).logits, model(_ids()).logits)
+
+
+def test_nvfp4_export_needs_nvfp4_weights(tmp_path):
+    model, tok = load_policy("tiny-llama", "bf16", None, dtype="bf16")
+    with pytest.raises(ValueError, match="no NVFP4 weights"):
+        export_nvfp4(model, tok, tmp_path)
+
+
+def test_nf4_model_exports_dequantized(tmp_path):
+    pytest.importorskip("bitsandbytes")
+    model, tok = load_policy("tiny-qwen2", "nf4", None, dtype="bf16", seed=SEED)
+    export_bf16(model, tok, tmp_path)
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.bfloat16)
+    with torch.no_grad():
+        torch.testing.assert_close(reloaded(_ids()).logits, model(_ids()).logits, rtol=0, atol=2e-2)
+
+
+def test_cli(tmp_path):
+    """``python -m qerl.export`` (subprocess), and the bf16 + adapter path in process."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    run = subprocess.run([sys.executable, "-m", "qerl.export", "--model", "tiny-qwen2", "--format", "nvfp4",
+                          "--out", str(tmp_path / "nvfp4")], cwd=ROOT, env=env, capture_output=True, text=True,
+                         timeout=120)
+    assert run.returncode == 0, run.stderr[-2000:]
+    config = json.loads((tmp_path / "nvfp4" / "config.json").read_text())
+    assert config["quantization_config"]["format"] == "nvfp4-pack-quantized"
+    assert any(k.endswith("weight_packed") for k in load_file(tmp_path / "nvfp4" / "model.safetensors"))
+
+    model, _ = _trained_lora_policy(dtype="bf16")
+    export_adapter(model, tmp_path / "adapter")
+    out = main(["--model", "tiny-qwen2", "--format", "bf16", "--from-nvfp4", "--seed", str(SEED),
+                "--adapter", str(tmp_path / "adapter"), "--out", str(tmp_path / "bf16")])
+    assert (out / ADAPTER_SUBDIR / TRAINABLE_NORMS_FILE).exists()
+    base = AutoModelForCausalLM.from_pretrained(out, dtype=torch.bfloat16)
+    with torch.no_grad():
+        with model.disable_adapter():
+            assert torch.equal(base(_ids()).logits, model(_ids()).logits)
+        assert torch.equal(load_adapter(base, out / ADAPTER_SUBDIR)(_ids()).logits, model(_ids()).logits)
