@@ -189,10 +189,14 @@ class QeRLModule(EvaluationMixin, L.LightningModule):
     def configure_model(self) -> None:
         if self.model is not None:
             return
-        self.model, tokenizer = load_policy(
-            self.model_name, self.quantization, self.lora_settings, dtype=self.dtype_name,
-            device=self.device, seed=self.seed,
-        )
+        # Lightning may run this hook under a default-device context (the accelerator): load on the
+        # CPU explicitly and let load_policy quantize layer by layer on the target device.
+        device = self.trainer.strategy.root_device if self._trainer is not None else self.device
+        with torch.device("cpu"):
+            self.model, tokenizer = load_policy(
+                self.model_name, self.quantization, self.lora_settings, dtype=self.dtype_name,
+                device=device, seed=self.seed,
+            )
         self._tokenizer = self._tokenizer or tokenizer
         self.model.train()  # loaders return eval mode; LoRA dropout must be live in training
         if self.adapter_path:

@@ -10,6 +10,7 @@ Whatever the model carries (LoRA, AQN noisy norms, NVFP4 kernels) is what genera
 from __future__ import annotations
 
 import time
+import warnings
 
 import torch
 import torch.nn.functional as F
@@ -29,6 +30,10 @@ def filter_logits(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tenso
         drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
         logits = logits.masked_fill(drop, float("-inf"))
     return logits
+
+
+# transformers >= 5.2x renames `past_key_values` to `cache`; the GPU image (5.17) only has the old name.
+warnings.filterwarnings("ignore", message=".*past_key_values.*deprecated.*")
 
 
 class HFEngine(RolloutEngine):
@@ -56,7 +61,10 @@ class HFEngine(RolloutEngine):
             raise RuntimeError("HFEngine.generate called before sync(model)")
         start = time.perf_counter()
         repeated = [p for p in prompt_ids for _ in range(n)]  # prompt-major: (B*n,)
-        gen = torch.Generator().manual_seed(seed)
+        device = next(self.model.parameters()).device
+        # Sample on the model's device (copying (B, V) probabilities to the host every token would
+        # dominate decode time); CPU and CUDA runs are each reproducible, not equal to each other.
+        gen = torch.Generator(device=device).manual_seed(seed)
         out = Generation([], [], [])
         was_training = self.model.training
         self.model.eval()
@@ -92,7 +100,7 @@ class HFEngine(RolloutEngine):
                 nxt = scaled.argmax(-1)
             else:
                 probs = filter_logits(scaled, sampling.top_k, sampling.top_p).softmax(-1)
-                nxt = torch.multinomial(probs.cpu(), 1, generator=gen).squeeze(-1).to(device)
+                nxt = torch.multinomial(probs, 1, generator=gen).squeeze(-1)
             nxt = torch.where(finished, torch.full_like(nxt, self.pad_token_id), nxt)
             tokens = torch.cat([tokens, nxt[:, None]], 1)
             logprobs = torch.cat([logprobs, logp.gather(-1, nxt[:, None])], 1)

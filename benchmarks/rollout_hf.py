@@ -1,0 +1,99 @@
+"""Embedded (hf) rollout engine throughput: NVFP4 (Triton W4A16 kernels) vs bf16, same engine.
+
+    python benchmarks/rollout_hf.py [--shape 7b|tiny] [--batches 1,8,64] [--prompt 256] [--new 256]
+
+A Qwen2.5-7B-shaped model with random weights (std 0.02) and LoRA r32 on every decoder linear, as
+during RL. For each batch size B: B random prompts of ``--prompt`` tokens, ``--new`` sampled tokens
+each (no stop token, so every row decodes the full length), one warm-up generation, then the timed
+one. tok/s = B * new / seconds (generated tokens only; prefill included in the time).
+Prints a table and writes benchmarks/results/rollout_hf_h200.json (or --out).
+"""
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from qerl.model import LoraSettings, add_lora, quantize_decoder_linears  # noqa: E402
+from qerl.rollout import SamplingSettings  # noqa: E402
+from qerl.rollout.hf import HFEngine  # noqa: E402
+
+SHAPES = {
+    "7b": dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,
+               num_key_value_heads=4, vocab_size=152064),
+    "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, vocab_size=512),
+}
+
+
+def build(shape: str, quantization: str, device: str):
+    from transformers import AutoModelForCausalLM, Qwen2Config
+
+    config = Qwen2Config(**SHAPES[shape], max_position_embeddings=4096, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(std=0.02) if p.dim() == 2 else None
+    if quantization == "nvfp4":
+        quantize_decoder_linears(model, device)
+    model = add_lora(model, LoraSettings(rank=32, alpha=32))
+    with torch.no_grad():  # a non-zero adapter, as after a few RL steps
+        for n, p in model.named_parameters():
+            if "lora_B" in n:
+                p.normal_(std=1e-3)
+    return model.eval(), config.vocab_size
+
+
+def bench(model, vocab: int, batch: int, prompt: int, new: int, device: str) -> float:
+    engine = HFEngine(stop_token_ids=[-1], pad_token_id=0, max_batch_size=batch)
+    engine.sync(model)
+    g = torch.Generator().manual_seed(batch)
+    prompts = torch.randint(1, vocab, (batch, prompt), generator=g).tolist()
+    engine.generate(prompts, 1, SamplingSettings(1.0, 1.0, 0, 8), seed=0)  # warm-up (kernels, autotune)
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    sync()
+    t0 = time.perf_counter()
+    out = engine.generate(prompts, 1, SamplingSettings(1.0, 1.0, 0, new), seed=1)
+    sync()
+    seconds = time.perf_counter() - t0
+    assert all(len(c) == new for c in out.completion_ids)
+    return batch * new / seconds
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--shape", default="7b", choices=sorted(SHAPES))
+    ap.add_argument("--batches", default="1,8,64")
+    ap.add_argument("--prompt", type=int, default=256)
+    ap.add_argument("--new", type=int, default=256)
+    ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "rollout_hf_h200.json"))
+    args = ap.parse_args()
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    rows = []
+    for quantization in ("bf16", "nvfp4"):
+        model, vocab = build(args.shape, quantization, device)
+        for b in [int(x) for x in args.batches.split(",")]:
+            tok_s = bench(model, vocab, b, args.prompt, args.new, device)
+            rows.append({"quantization": quantization, "B": b, "lora": True, "shape": args.shape,
+                         "prompt_tokens": args.prompt, "new_tokens": args.new, "tok_s": round(tok_s, 1)})
+            print(f"{quantization:6s} B={b:3d}  {tok_s:9.1f} tok/s", flush=True)
+        del model
+        torch.cuda.empty_cache() if device == "cuda" else None
+    by = {(r["quantization"], r["B"]): r["tok_s"] for r in rows}
+    print("\n|  B | bf16 tok/s | nvfp4 tok/s | nvfp4/bf16 |\n|---|---|---|---|")
+    for b in sorted({r["B"] for r in rows}):
+        print(f"| {b} | {by[('bf16', b)]:.1f} | {by[('nvfp4', b)]:.1f} | {by[('nvfp4', b)] / by[('bf16', b)]:.2f} |")
+    meta = {"device": torch.cuda.get_device_name() if device == "cuda" else "cpu", "torch": torch.__version__}
+    os.makedirs(os.path.dirname(args.out), exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump({"meta": meta, "rows": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
