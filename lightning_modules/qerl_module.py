@@ -176,7 +176,7 @@ class QeRLModule(EvaluationMixin, L.LightningModule):
         # Set by AQNCallback: the noisy norms and whether training forwards see the noise too.
         self.noisy_norms = None
         self.aqn_apply_to: Literal["rollout", "both"] = "both"
-        self._streaks = {"zero_std": 0, "truncated": 0}
+        self._streaks = {"zero_std": 0, "truncated": 0, "skipped": 0}
 
     # ---------------------------------------------------------------- model
     @property
@@ -275,6 +275,7 @@ class QeRLModule(EvaluationMixin, L.LightningModule):
         sums: dict[str, float] = {}
         entropy_sum, is_ratio_sum, losses, grad_norms = 0.0, 0.0, [], []
         for update in range(s.updates_per_rollout):
+            finite = True
             for mb in micro_batches:
                 with self._training_noise():
                     logprobs, entropy = lp(mb, with_entropy=(update == 0))
@@ -292,7 +293,7 @@ class QeRLModule(EvaluationMixin, L.LightningModule):
                 if s.aggregation == "bnpo":  # a local token mean: average over micro-batches
                     loss = loss / len(micro_batches)
                 if not torch.isfinite(loss):
-                    rank_zero_warn(f"non-finite loss at step {self.global_step}: skipping this update")
+                    finite = False
                     break
                 self.manual_backward(loss)
                 losses.append(loss.detach())
@@ -304,10 +305,16 @@ class QeRLModule(EvaluationMixin, L.LightningModule):
                     raw_ratio = torch.exp((old - rollout.sampler_logprobs[mb]).clamp(max=20))
                     is_ratio_sum += float(masked_mean(raw_ratio, loss_mask[mb])) * weight
             grad_norm = torch.nn.utils.clip_grad_norm_(self.trainable_parameters(), self.optim_settings.max_grad_norm)
-            if not torch.isfinite(grad_norm) or len(losses) == 0:
-                rank_zero_warn(f"non-finite gradient norm at step {self.global_step}: skipping this update")
+            if not finite or not torch.isfinite(grad_norm):
+                # A NaN/inf must never reach the weights: drop the whole update (partial grads too).
+                what = "loss" if not finite else "gradient norm"
+                rank_zero_warn(f"non-finite {what} at step {self.global_step}: skipping this update (no optimizer step)")
                 opt.zero_grad(set_to_none=True)
+                self._streaks["skipped"] += 1
+                if self._streaks["skipped"] >= 10:  # else max_steps is never reached: fail loudly
+                    raise RuntimeError(f"10 updates in a row had a non-finite {what}: check the rewards and the lr")
                 continue
+            self._streaks["skipped"] = 0
             grad_norms.append(float(grad_norm))
             opt.step()
             opt.zero_grad(set_to_none=True)
@@ -321,7 +328,6 @@ class QeRLModule(EvaluationMixin, L.LightningModule):
         rewards = rollout.rewards.float()
         group_std = rewards.view(-1, G).std(-1) if G > 1 else torch.zeros(rewards.numel())
         lengths = rollout.completion_mask.sum(-1).float()
-        n_losses = max(1, len(losses))
         metrics = {
             "train/reward": rewards.mean(),
             "train/reward_std": group_std.mean(),
@@ -347,7 +353,6 @@ class QeRLModule(EvaluationMixin, L.LightningModule):
             metrics[f"time/{name}"] = seconds
         metrics = {k: torch.as_tensor(v, dtype=torch.float32) for k, v in metrics.items()}
         self.log_dict(metrics, on_step=True, on_epoch=False, batch_size=rewards.numel())
-        del n_losses
         self._warn_on_silent_failures(float(metrics["train/frac_reward_zero_std"]), float(metrics["train/clipped_ratio"]))
 
     def _warn_on_silent_failures(self, frac_zero_std: float, clipped: float) -> None:
@@ -371,4 +376,6 @@ class QeRLModule(EvaluationMixin, L.LightningModule):
     def on_train_end(self) -> None:
         """Write the adapter in peft format next to the logs (what users serve or evaluate)."""
         if self.trainer.is_global_zero and self.trainer.log_dir:
-            self.model.save_pretrained(f"{self.trainer.log_dir}/adapter")
+            from qerl.export import export_adapter  # LoRA + trainable norms, peft format
+
+            export_adapter(self.model, f"{self.trainer.log_dir}/adapter")

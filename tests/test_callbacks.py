@@ -109,3 +109,37 @@ def test_aqn_callback_sets_sigma_before_rollout_and_engine_gets_noisy_scales():
     aqn2.prepare_step(trainer, fresh)
     again = fresh.noisy_norms.effective_scales()
     assert all(torch.equal(again[k], scales[k]) for k in scales)
+
+
+class NaNOnce(RewardFunction):
+    """NaN rewards on the first call (a broken reward), normal afterwards."""
+
+    name = "nan_once"
+
+    def __init__(self):
+        self.calls = 0
+
+    def compute(self, completions, answers):
+        self.calls += 1
+        return [float("nan") if self.calls == 1 else float(len(c) % 2) for c in completions]
+
+
+def test_nan_loss_skips_the_update_and_loses_nothing(tmp_path):
+    import lightning as L
+    import pytest
+
+    from lightning_modules.data import PromptDataModule
+
+    module = QeRLModule(model="tiny-qwen2", quantization="nvfp4", dtype="fp32")
+    module.configure_model()
+    lora_before = {n: p.detach().clone() for n, p in module.model.named_parameters() if p.requires_grad}
+    cb = RolloutCallback(reward=NaNOnce(), group_size=2, sampling=SamplingSettings(max_new_tokens=4))
+    trainer = L.Trainer(accelerator="cpu", max_steps=1, logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, callbacks=[cb], default_root_dir=tmp_path)
+    with pytest.warns(UserWarning, match="non-finite loss at step 0: skipping this update"):
+        trainer.fit(module, PromptDataModule(prompts_per_step=2))
+    assert trainer.global_step == 1  # the NaN batch made no step; the next one did
+    for n, p in module.model.named_parameters():
+        if p.requires_grad:
+            assert torch.isfinite(p).all(), n
+    assert any(not torch.equal(p, lora_before[n]) for n, p in module.model.named_parameters() if p.requires_grad)
