@@ -21,6 +21,7 @@ from lightning.pytorch.loggers import TensorBoardLogger
 from qerl.losses import groups_with_signal, overlong_penalty
 from qerl.rewards import MathAccuracy, RewardFunction, extract_answer
 from qerl.rollout import Rollout, RolloutEngine, SamplingSettings, pad_left, pad_right
+from qerl.rollout.vllm import VLLMSettings  # settings only: vllm itself is imported when the engine starts
 
 
 class RolloutCallback(L.Callback):
@@ -39,6 +40,8 @@ class RolloutCallback(L.Callback):
         log_completions_every_n_steps: how often to write the completions table (0 = never).
         num_completions_to_log: rows in that table.
         seed: base seed of the sampler (combined with the global step).
+        vllm: settings of the vllm engine (GPU memory share, LoRA slot rank, sleep mode, export
+            directory...; see ``qerl.rollout.vllm.VLLMSettings``); ignored by the hf engine.
     """
 
     def __init__(
@@ -55,6 +58,7 @@ class RolloutCallback(L.Callback):
         log_completions_every_n_steps: int = 10,
         num_completions_to_log: int = 4,
         seed: int = 0,
+        vllm: VLLMSettings | None = None,
     ):
         self.reward = reward or MathAccuracy()
         self.group_size = group_size
@@ -68,6 +72,7 @@ class RolloutCallback(L.Callback):
         self.log_every = log_completions_every_n_steps
         self.num_to_log = num_completions_to_log
         self.seed = seed
+        self.vllm = vllm or VLLMSettings()
         self.engine: RolloutEngine | None = None  # never an nn.Module attribute: not moved, not checkpointed
 
     def make_engine(self, pl_module) -> RolloutEngine:
@@ -79,7 +84,11 @@ class RolloutCallback(L.Callback):
             from qerl.rollout.hf import HFEngine
 
             return HFEngine(stop, tok.pad_token_id, self.max_batch_size)
-        raise ValueError(f"rollout engine {self.engine_name!r} is not available in this build; use 'hf'")
+        if self.engine_name == "vllm":
+            from qerl.rollout.vllm import VLLMEngine
+
+            return VLLMEngine(stop, self.vllm, tokenizer=tok, seed=self.seed)
+        raise ValueError(f"unknown rollout engine {self.engine_name!r}; use 'hf' or 'vllm'")
 
     def on_fit_start(self, trainer, pl_module) -> None:
         if self.engine is None:  # created lazily: never at import or --print_config

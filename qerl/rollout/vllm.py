@@ -1,0 +1,374 @@
+"""The colocated vLLM rollout engine: NVFP4 base + unmerged LoRA + noisy RMSNorm scales, in process.
+
+**Status: written against the vLLM 0.25.0 sources (research/vllm.md) and tested on CPU against a
+fake ``vllm`` module only. It has NOT yet been run against a real vLLM on a GPU.**
+
+Manual (``engine: vllm`` in ``RolloutCallback``, settings under ``vllm:`` = :class:`VLLMSettings`):
+
+* **Lazy.** ``vllm`` is imported only when the first ``sync`` builds the engine (never at import,
+  so configs parse and CPU tests run without it). The engine runs in the trainer's process
+  (``VLLM_ENABLE_V1_MULTIPROCESSING=0``), on the trainer's GPU, with sleep mode.
+* **Base, once.** The first ``sync`` exports the frozen base to ``export_dir`` (a temp dir by
+  default): compressed-tensors NVFP4A16 (:func:`qerl.export.export_nvfp4`) when the policy's
+  linears are NVFP4, else a dense bf16 checkpoint (:func:`qerl.export.export_bf16`; bf16 and NF4
+  arms). vLLM loads it with ``enable_lora``, ``max_loras=1``, ``logprobs_mode="processed_logprobs"``.
+* **Every step** (``sync`` then ``generate``): wake the weights → push the LoRA A/B tensors from
+  memory under a new adapter id (a small loader installed on vLLM's worker feeds them to
+  ``LoRAModel.from_lora_tensors``; vllm.md §3.3.3) → copy the noisy norm scales, and any trainable
+  norms, in place into vLLM's parameters by name → reset the prefix cache → wake the KV cache →
+  ``generate`` with one ``SamplingParams`` per prompt → ``sleep(level=1)`` (every ``generate``
+  call wakes and sleeps, so DAPO refill rounds work too). With
+  ``adapter_via_disk`` the adapter goes through ``adapter_model.safetensors`` in tmpfs instead
+  (public API only; the fallback if the in-memory loader breaks on a vLLM upgrade).
+* **Sampler log-probs.** vLLM's ``processed_logprobs`` are log softmax(logits / T) of the sampled
+  token *after* top-k/top-p masking (renormalised over the kept tokens), the HF engine's are before
+  truncation: they agree only with ``top_p=1, top_k=0`` (QeRL's setting); otherwise a warning is
+  logged. Greedy (T=0) gives log softmax(logits), as in the HF engine; since vLLM refuses ``n>1``
+  when greedy, each prompt is then sent ``n`` times.
+* **Noise precision.** vLLM keeps norms in the model dtype (bf16): the fp32 scale w + Z is rounded
+  to bf16 (spacing 2^-7 near 1), so noise of sigma below ~4e-3 is largely rounded away in rollouts
+  while the trainer applies it in fp32. ``norm_cast_error`` holds the largest rounding of the last
+  sync; the truncated-IS ratio absorbs the difference.
+* **Seeds.** Request i gets its own seed derived from (seed, i) (vLLM adds the sample index), so a
+  step is reproducible; per-request generators cost a small per-row loop in vLLM's sampler
+  (``seed_requests: false`` turns them off).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from qerl.rollout.base import Generation, RolloutEngine, SamplingSettings
+
+log = logging.getLogger(__name__)
+
+ALLOWED_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # vllm/config/lora.py MaxLoRARanks
+IN_MEMORY_PATH = "qerl-in-memory-adapter"  # LoRARequest needs a non-empty path; our loader never reads it
+_PEFT_PREFIX = "base_model.model."
+
+
+@dataclass
+class VLLMSettings:
+    """Settings of the colocated vLLM engine (``RolloutCallback(engine="vllm", vllm=...)``).
+
+    Args:
+        gpu_memory_utilization: fraction of the GPU vLLM may take (weights + KV cache); it must be
+            free when the engine starts (TRL and QeRL use 0.3).
+        max_lora_rank: LoRA slot size; raised to the adapter's rank if smaller, then rounded up to
+            a rank vLLM allows (1, 8, 16, 32, 64, ...).
+        sleep: sleep mode: release the KV cache and offload the weights to the host between
+            rollouts (``sleep(level=1)``), so training gets the memory back.
+        export_dir: where the base checkpoint is written once (default: a temporary directory).
+        max_model_len: longest prompt + completion (default: the model's context length).
+        seed_requests: give every request its own seed (reproducible; a bit slower to sample).
+        adapter_via_disk: push the adapter through files in tmpfs instead of from memory.
+        llm_kwargs: extra keyword arguments of ``vllm.LLM`` (e.g. ``enforce_eager``,
+            ``kv_cache_memory_bytes``, ``max_num_seqs``); they override the ones set here.
+    """
+
+    gpu_memory_utilization: float = 0.3
+    max_lora_rank: int = 32
+    sleep: bool = True
+    export_dir: str | None = None
+    max_model_len: int | None = None
+    seed_requests: bool = True
+    adapter_via_disk: bool = False
+    llm_kwargs: dict[str, Any] = field(default_factory=dict)
+
+
+# ----------------------------------------------------------------------------- pure helpers
+def allowed_lora_rank(rank: int) -> int:
+    """The smallest rank vLLM accepts as ``max_lora_rank`` that is >= ``rank``."""
+    for r in ALLOWED_LORA_RANKS:
+        if r >= rank:
+            return r
+    raise ValueError(f"LoRA rank {rank} exceeds vLLM's largest max_lora_rank {ALLOWED_LORA_RANKS[-1]}")
+
+
+def hf_to_vllm_norm_name(name: str) -> str:
+    """vLLM parameter name of a norm given by HF module or parameter name, peft-wrapped or not:
+    ``base_model.model.model.layers.3.input_layernorm`` -> ``model.layers.3.input_layernorm.weight``.
+    Qwen2/Qwen3/Llama norms keep their HF names in vLLM (vllm.md §3.2)."""
+    name = name[len(_PEFT_PREFIX):] if name.startswith(_PEFT_PREFIX) else name
+    parts, out, skip = name.split("."), [], False
+    for p in parts:
+        if skip:  # the adapter name after `modules_to_save`
+            skip = False
+        elif p == "modules_to_save":
+            skip = True
+        elif p not in ("base_layer", "original_module"):
+            out.append(p)
+    return ".".join(out if out[-1] == "weight" else [*out, "weight"])
+
+
+def adapter_tensors(peft_model: nn.Module) -> dict[str, torch.Tensor]:
+    """The LoRA A/B tensors under PEFT file names (``base_model.model.<m>.lora_A.weight``, no
+    adapter name), as fresh CPU copies: vLLM scales B in place when it loads them."""
+    from peft.utils import get_peft_model_state_dict
+
+    state = get_peft_model_state_dict(peft_model)
+    return {k: v.detach().to("cpu", copy=True).contiguous() for k, v in state.items()
+            if k.endswith((".lora_A.weight", ".lora_B.weight"))}
+
+
+def adapter_config(peft_model: nn.Module) -> dict[str, Any]:
+    """The active adapter's config in the fields vLLM's ``PEFTHelper`` reads (no modules_to_save:
+    trainable norms travel as base weights, vllm.md §2)."""
+    if not hasattr(peft_model, "peft_config"):
+        raise ValueError("the vLLM engine needs a peft LoRA policy")
+    cfg = peft_model.peft_config[peft_model.active_adapter]
+    if getattr(cfg, "rank_pattern", None) or getattr(cfg, "alpha_pattern", None) or cfg.use_dora:
+        raise ValueError("vLLM supports one rank/alpha for all modules and no DoRA")
+    targets = cfg.target_modules
+    return {"r": int(cfg.r), "lora_alpha": cfg.lora_alpha, "bias": cfg.bias, "use_rslora": bool(cfg.use_rslora),
+            "use_dora": False, "modules_to_save": None, "peft_type": "LORA",
+            "target_modules": sorted(targets) if isinstance(targets, (set, list, tuple)) else targets}
+
+
+def request_seed(seed: int, index: int) -> int:
+    """Seed of request ``index`` of a call seeded ``seed`` (vLLM then uses seed + sample index)."""
+    digest = hashlib.blake2b(f"{int(seed)}:{int(index)}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 2  # < 2**62: room for the sample index
+
+
+def sampling_params_kwargs(sampling: SamplingSettings, n: int, seed: int) -> dict[str, Any]:
+    """``SamplingParams`` keyword arguments. Greedy (temperature <= 0) returns ``n=1`` (vLLM refuses
+    n > 1 when greedy; the caller repeats the prompt) and no seed. ``logprobs=0``: only the
+    sampled token's log-prob comes back."""
+    common = dict(max_tokens=int(sampling.max_new_tokens), logprobs=0, detokenize=False)
+    if sampling.temperature <= 0:
+        return dict(n=1, temperature=0.0, top_p=1.0, top_k=0, seed=None, **common)
+    return dict(n=int(n), temperature=float(sampling.temperature), top_p=float(sampling.top_p),
+                top_k=max(int(sampling.top_k), 0), seed=int(seed), **common)
+
+
+def outputs_to_generation(request_outputs) -> Generation:
+    """vLLM ``RequestOutput`` list (prompt order) -> ``Generation``, prompt-major, samples by index."""
+    gen = Generation([], [], [])
+    for ro in request_outputs:
+        for _, co in sorted(enumerate(ro.outputs), key=lambda kc: getattr(kc[1], "index", kc[0])):
+            ids = [int(t) for t in co.token_ids]
+            if co.logprobs is None or len(co.logprobs) != len(ids):
+                raise ValueError("vLLM returned no per-token logprobs (SamplingParams.logprobs must be 0)")
+            if co.finish_reason not in ("stop", "length"):
+                raise RuntimeError(f"vLLM finished a completion with {co.finish_reason!r}")
+            gen.completion_ids.append(ids)
+            gen.sampler_logprobs.append([float(pos[t].logprob) for t, pos in zip(ids, co.logprobs)])
+            gen.finish_reasons.append(co.finish_reason)
+    return gen
+
+
+# ----------------------------------------------------------------------------- run inside vLLM
+def install_tensor_lora_loader(worker, registry: dict[int, tuple[dict, dict]]) -> bool:
+    """Called on vLLM's worker (``collective_rpc``): wrap ``lora_manager._load_adapter`` so that an
+    id found in ``registry`` (id -> (tensors, peft config)) is built from memory. Mirrors 0.25's
+    ``WorkerLoRAManager._load_adapter`` (vllm/lora/worker_manager.py); other ids load as usual."""
+    mgr = worker.model_runner.lora_manager
+    if getattr(mgr, "_qerl_tensor_loader", False):
+        return True
+    original = mgr._load_adapter
+
+    def _load_adapter(lora_request):
+        entry = registry.get(lora_request.lora_int_id)
+        if entry is None:
+            return original(lora_request)
+        from vllm.lora.peft_helper import PEFTHelper
+
+        tensors, config = entry
+        helper = PEFTHelper.from_dict({**config, "vllm_max_position_embeddings": mgr.max_position_embeddings})
+        helper.validate_legal(mgr.lora_config)
+        model = mgr._adapter_manager.model
+        mapper = getattr(model, "hf_to_vllm_mapper", None)
+        lora = mgr._lora_model_cls.from_lora_tensors(
+            lora_model_id=lora_request.lora_int_id, tensors=tensors, peft_helper=helper, device="cpu",
+            dtype=mgr.lora_config.lora_dtype, model_vocab_size=mgr.vocab_size,
+            weights_mapper=mapper.get_unstacked_mapper() if mapper is not None else None,
+            skip_prefixes=getattr(model, "lora_skip_prefixes", None))
+        lora.is_3d_lora_weight = lora_request.is_3d_lora_weight
+        return lora
+
+    mgr._load_adapter = _load_adapter
+    mgr._qerl_tensor_loader = True
+    return True
+
+
+@torch.no_grad()
+def copy_norm_scales(model: nn.Module, scales: dict[str, torch.Tensor]) -> float:
+    """Called with vLLM's model (``apply_model``): ``param.data.copy_`` each scale (vLLM names) in
+    place, cast to the parameter dtype; returns the largest rounding error of that cast."""
+    params = dict(model.named_parameters())
+    missing = [n for n in scales if n not in params]
+    if missing:
+        raise KeyError(f"vLLM's model has no parameters {missing[:3]}; e.g. {list(params)[:3]}")
+    err = torch.zeros((), dtype=torch.float32)
+    for name, value in scales.items():
+        p = params[name]
+        if p.shape != value.shape:
+            raise ValueError(f"{name}: vLLM shape {tuple(p.shape)} != {tuple(value.shape)}")
+        src = value.detach().to(p.device, torch.float32)
+        p.data.copy_(src)
+        err = torch.maximum(err, (p.data.float() - src).abs().max().cpu())
+    return float(err)
+
+
+# ----------------------------------------------------------------------------- the engine
+class VLLMEngine(RolloutEngine):
+    """Rollouts on a colocated, in-process vLLM (see the module docstring).
+
+    Args:
+        stop_token_ids: token ids that end a completion (EOS, ``<|im_end|>``...).
+        settings: :class:`VLLMSettings`.
+        tokenizer: written next to the exported base (vLLM itself gets token ids only).
+        seed: seed of vLLM's own generator (requests are seeded per call).
+    """
+
+    def __init__(self, stop_token_ids: list[int], settings: VLLMSettings | None = None, tokenizer=None, seed: int = 0):
+        self.stop_token_ids = sorted({int(t) for t in stop_token_ids if t is not None})
+        self.settings = settings or VLLMSettings()
+        self.tokenizer, self.seed = tokenizer, seed
+        self.llm = None
+        self.export_dir: Path | None = None
+        self._tmp: tempfile.TemporaryDirectory | None = None
+        self._adapters: dict[int, tuple[dict, dict]] = {}  # read by the loader inside vLLM
+        self._lora_id, self._lora_request = 0, None
+        self._asleep: set[str] = set()
+        self._warned_truncation = False
+        self.norm_cast_error = 0.0
+        self.last_sync: dict[str, float] = {}
+
+    # -- lifecycle
+    def _export(self, model: nn.Module) -> Path:
+        from qerl.export import export_bf16, export_nvfp4
+        from qerl.nvfp4 import NVFP4WeightTensor
+
+        if self.settings.export_dir is not None:
+            out = Path(self.settings.export_dir)
+        else:
+            self._tmp = tempfile.TemporaryDirectory(prefix="qerl-vllm-")
+            out = Path(self._tmp.name)
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            out = out / f"rank{torch.distributed.get_rank()}"
+        nvfp4 = any(isinstance(p, NVFP4WeightTensor) for p in model.parameters())
+        return (export_nvfp4 if nvfp4 else export_bf16)(model, self.tokenizer, out, dtype="bf16")
+
+    def _start(self, model: nn.Module) -> None:
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # engine core in this process (vllm.md §3.2)
+        os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")  # processed logprobs need the native sampler
+        os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
+        import vllm
+
+        s = self.settings
+        self.export_dir = self._export(model)
+        rank = adapter_config(model)["r"]
+        kwargs: dict[str, Any] = dict(
+            model=str(self.export_dir), dtype="bfloat16", enable_lora=True, max_loras=1,
+            max_lora_rank=allowed_lora_rank(max(s.max_lora_rank, rank)), seed=self.seed,
+            gpu_memory_utilization=s.gpu_memory_utilization, enable_sleep_mode=s.sleep,
+            max_model_len=s.max_model_len, logprobs_mode="processed_logprobs", skip_tokenizer_init=True)
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            kwargs["distributed_executor_backend"] = "external_launcher"  # as TRL does under DDP
+        kwargs.update(s.llm_kwargs)
+        self.llm = vllm.LLM(**kwargs)
+        if not s.adapter_via_disk:
+            self.llm.collective_rpc(install_tensor_lora_loader, args=(self._adapters,))
+
+    def wake(self, tags: list[str] | None = None) -> None:
+        todo = [t for t in (tags or ["weights", "kv_cache"]) if t in self._asleep]
+        if todo:
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()  # hand the trainer's cached blocks back before vLLM maps its own
+            self.llm.wake_up(tags=todo)
+            self._asleep -= set(todo)
+
+    def sleep(self) -> None:
+        if self.llm is not None and self.settings.sleep and not self._asleep:
+            self.llm.sleep(level=1)  # level 1 keeps the base on the host; level 2 would drop it
+            self._asleep = {"weights", "kv_cache"}
+
+    # -- per step
+    def _push_adapter(self, model: nn.Module) -> None:
+        from vllm.lora.request import LoRARequest
+
+        tensors, config = adapter_tensors(model), adapter_config(model)
+        if not tensors:
+            raise ValueError("the vLLM engine needs a peft LoRA policy (no lora_A/lora_B tensors found)")
+        previous, self._lora_id = self._lora_id, self._lora_id + 1
+        name, path = f"qerl-policy-{self._lora_id}", IN_MEMORY_PATH
+        if self.settings.adapter_via_disk:
+            path = str(self._write_adapter(tensors, config))
+        else:
+            self._adapters.clear()
+            self._adapters[self._lora_id] = (tensors, config)
+        engine = self.llm.llm_engine
+        if previous:
+            engine.remove_lora(previous)
+        request = LoRARequest(name, self._lora_id, path)
+        if not engine.add_lora(request):
+            raise RuntimeError(f"vLLM did not load adapter {name}")
+        self._lora_request = request  # generate passes it as is (load_inplace=False)
+
+    def _write_adapter(self, tensors: dict, config: dict) -> Path:
+        from safetensors.torch import save_file
+
+        root = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(tempfile.gettempdir())
+        out = root / f"qerl-adapter-{os.getpid()}-{self._lora_id % 2}"  # two slots: never the loaded one
+        out.mkdir(parents=True, exist_ok=True)
+        save_file(tensors, str(out / "adapter_model.safetensors"), metadata={"format": "pt"})
+        (out / "adapter_config.json").write_text(json.dumps(config))
+        return out
+
+    def _push_norms(self, model: nn.Module, norm_scales: dict[str, torch.Tensor] | None) -> None:
+        scales = {hf_to_vllm_norm_name(n): p.detach() for n, p in model.named_parameters()
+                  if p.requires_grad and "lora_" not in n}  # trainable norms: base weights in vLLM
+        scales.update({hf_to_vllm_norm_name(n): s for n, s in (norm_scales or {}).items()})
+        if scales:
+            self.norm_cast_error = max(self.llm.apply_model(lambda m: copy_norm_scales(m, scales)))
+
+    def sync(self, model: nn.Module, norm_scales: dict[str, torch.Tensor] | None = None) -> None:
+        t0 = time.perf_counter()
+        if self.llm is None:
+            self._start(model)
+        t1 = time.perf_counter()
+        self.wake(["weights"])  # write weights only into mapped memory
+        self._push_adapter(model)
+        t2 = time.perf_counter()
+        self._push_norms(model, norm_scales)
+        if self.llm.reset_prefix_cache() is False:  # cache keys hold the adapter name only, not the norms
+            log.warning("vLLM could not reset its prefix cache (requests still running?)")
+        self.last_sync = {"start": t1 - t0, "adapter": t2 - t1, "norms": time.perf_counter() - t2}
+
+    def generate(self, prompt_ids: list[list[int]], n: int, sampling: SamplingSettings, seed: int) -> Generation:
+        if self.llm is None or self._lora_request is None:
+            raise RuntimeError("VLLMEngine.generate called before sync(model)")
+        from vllm import SamplingParams
+
+        if sampling.temperature > 0 and (sampling.top_p < 1 or sampling.top_k > 0) and not self._warned_truncation:
+            log.warning("vLLM's sampler log-probs are renormalised after top-p/top-k; the HF engine's are not")
+            self._warned_truncation = True
+        start = time.perf_counter()
+        self.wake(["weights", "kv_cache"])
+        kw = sampling_params_kwargs(sampling, n, seed)
+        reps = n // kw["n"]
+        prompts = [{"prompt_token_ids": [int(t) for t in p]} for p in prompt_ids for _ in range(reps)]
+        params = []
+        for i in range(len(prompts)):
+            req_seed = request_seed(seed, i) if kw["seed"] is not None and self.settings.seed_requests else None
+            params.append(SamplingParams(**{**kw, "seed": req_seed}, stop_token_ids=list(self.stop_token_ids)))
+        t0 = time.perf_counter()
+        outputs = self.llm.generate(prompts, params, lora_request=self._lora_request, use_tqdm=False)
+        gen = outputs_to_generation(outputs)
+        t1 = time.perf_counter()
+        self.sleep()
+        gen.timings = {"wake": t0 - start, "generate": t1 - t0, "sleep": time.perf_counter() - t1}
+        return gen

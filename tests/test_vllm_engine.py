@@ -1,0 +1,291 @@
+"""The vLLM rollout engine without vLLM: pure helpers on realistic inputs, and the per-step call
+sequence against a fake ``vllm`` module. A GPU test (skipped unless vLLM and CUDA are present)
+checks sampler log-probs against the trainer's own forward."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+import types
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from qerl.aqn import attach_noisy_norms
+from qerl.model import LoraSettings, load_policy
+from qerl.rollout import SamplingSettings
+from qerl.rollout.vllm import (
+    VLLMEngine, VLLMSettings, adapter_config, adapter_tensors, allowed_lora_rank, hf_to_vllm_norm_name,
+    outputs_to_generation, request_seed, sampling_params_kwargs,
+)
+from qerl.tiny import build_tiny_model
+
+
+def _policy(arch="qwen2", rank=4, trainable_norms=False):
+    model, tok = load_policy(f"tiny-{arch}", "nvfp4", LoraSettings(rank=rank, trainable_norms=trainable_norms), dtype="fp32")
+    with torch.no_grad():  # peft starts B at 0: make the adapter do something
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.05, generator=torch.Generator().manual_seed(len(name)))
+    return model, tok
+
+
+# ----------------------------------------------------------------------------- pure helpers
+@pytest.mark.parametrize("hf, vllm", [
+    ("base_model.model.model.layers.3.input_layernorm", "model.layers.3.input_layernorm.weight"),
+    ("model.layers.0.post_attention_layernorm", "model.layers.0.post_attention_layernorm.weight"),
+    ("base_model.model.model.layers.1.post_attention_layernorm.weight", "model.layers.1.post_attention_layernorm.weight"),
+    ("base_model.model.model.layers.2.input_layernorm.modules_to_save.default", "model.layers.2.input_layernorm.weight"),
+    ("base_model.model.model.layers.2.input_layernorm.original_module.weight", "model.layers.2.input_layernorm.weight"),
+    ("base_model.model.model.norm", "model.norm.weight"),
+    ("model.layers.5.self_attn.q_norm", "model.layers.5.self_attn.q_norm.weight"),  # Qwen3
+])
+def test_hf_to_vllm_norm_name(hf, vllm):
+    assert hf_to_vllm_norm_name(hf) == vllm
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "llama"])
+def test_noisy_norm_names_exist_in_the_plain_model(arch):
+    """Names NoisyNorms hands to sync map onto parameters of the plain model, which vLLM's
+    Qwen2/Llama implementations name the same way (vllm.md §3.2)."""
+    model, _ = _policy(arch)
+    norms = attach_noisy_norms(model)
+    plain = dict(build_tiny_model(arch).named_parameters())
+    mapped = [hf_to_vllm_norm_name(n) for n in norms.effective_scales()]
+    assert len(mapped) == 4 and all(n in plain for n in mapped)
+    assert all(n.endswith(("input_layernorm.weight", "post_attention_layernorm.weight")) for n in mapped)
+
+
+def test_adapter_tensors_are_peft_lora_copies():
+    model, _ = _policy(trainable_norms=True)
+    tensors = adapter_tensors(model)
+    params = dict(model.named_parameters())
+    assert len(tensors) == 2 * 7 * 2  # layers x target linears x (A, B); no norms, no base weights
+    for name, t in tensors.items():
+        assert name.startswith("base_model.model.model.layers.") and ".default" not in name
+        assert name.endswith((".lora_A.weight", ".lora_B.weight"))
+        src = params[name.replace(".weight", ".default.weight")]
+        assert t.device.type == "cpu" and torch.equal(t, src) and t.data_ptr() != src.data_ptr()
+    assert any(n.endswith("q_proj.lora_A.weight") and t.shape == (4, 64) for n, t in tensors.items())
+    cfg = adapter_config(model)
+    assert cfg["r"] == 4 and cfg["lora_alpha"] == 32 and cfg["modules_to_save"] is None and cfg["bias"] == "none"
+    assert cfg["target_modules"] == sorted(cfg["target_modules"]) and "q_proj" in cfg["target_modules"]
+    assert [allowed_lora_rank(r) for r in (1, 4, 16, 33)] == [1, 8, 16, 64]
+
+
+def _co(index, ids, lps, reason="stop", extra=True):
+    """A CompletionOutput look-alike; with logprobs=0 vLLM may still add top tokens (extra)."""
+    rows = [{t: SimpleNamespace(logprob=lp), **({t + 1: SimpleNamespace(logprob=-9.0)} if extra else {})}
+            for t, lp in zip(ids, lps)]
+    return SimpleNamespace(index=index, token_ids=ids, logprobs=rows, finish_reason=reason)
+
+
+def test_outputs_to_generation_prompt_major():
+    outs = [SimpleNamespace(outputs=[_co(1, [7, 8], [-0.1, -0.2], "length"), _co(0, [5, 2], [-1.0, -2.0])]),
+            SimpleNamespace(outputs=[_co(0, [3], [-0.5], extra=False), _co(1, [4, 4, 2], [-0.3, -0.4, -0.6])])]
+    gen = outputs_to_generation(outs)
+    assert gen.completion_ids == [[5, 2], [7, 8], [3], [4, 4, 2]]
+    assert gen.sampler_logprobs == [[-1.0, -2.0], [-0.1, -0.2], [-0.5], [-0.3, -0.4, -0.6]]
+    assert gen.finish_reasons == ["stop", "length", "stop", "stop"]
+    with pytest.raises(RuntimeError, match="abort"):
+        outputs_to_generation([SimpleNamespace(outputs=[_co(0, [1], [-1.0], "abort")])])
+    with pytest.raises(ValueError, match="logprobs"):
+        bare = SimpleNamespace(index=0, token_ids=[1], logprobs=None, finish_reason="stop")
+        outputs_to_generation([SimpleNamespace(outputs=[bare])])
+
+
+def test_sampling_params_kwargs():
+    kw = sampling_params_kwargs(SamplingSettings(temperature=0.7, top_p=0.9, top_k=20, max_new_tokens=64), 8, 123)
+    assert kw == dict(n=8, temperature=0.7, top_p=0.9, top_k=20, seed=123, max_tokens=64, logprobs=0, detokenize=False)
+    greedy = sampling_params_kwargs(SamplingSettings(temperature=0.0, top_p=0.5, top_k=3, max_new_tokens=9), 4, 123)
+    assert greedy == dict(n=1, temperature=0.0, top_p=1.0, top_k=0, seed=None, max_tokens=9, logprobs=0, detokenize=False)
+    assert sampling_params_kwargs(SamplingSettings(top_k=0), 2, 0)["top_k"] == 0
+    seeds = {request_seed(s, i) for s in range(20) for i in range(50)}
+    assert len(seeds) == 1000 and max(seeds) < 2**62 and request_seed(3, 4) == request_seed(3, 4)
+
+
+# ----------------------------------------------------------------------------- fake vllm
+class FakeLLM:
+    """Records the calls the engine makes; the 'vLLM model' is a bf16 tiny HF model (same norm names)."""
+
+    instances: list = []
+
+    def __init__(self, **kwargs):
+        self.kwargs, self.calls, self.generated, self.loaded = kwargs, [], [], []
+        self.model = build_tiny_model("qwen2", dtype=torch.bfloat16)
+        mgr = SimpleNamespace(max_position_embeddings=1024, vocab_size=128,
+                              _adapter_manager=SimpleNamespace(model=SimpleNamespace()),  # no mapper / skip prefixes
+                              lora_config=SimpleNamespace(max_lora_rank=32, lora_dtype=torch.bfloat16),
+                              _lora_model_cls=SimpleNamespace(from_lora_tensors=self._from_tensors),
+                              _load_adapter=lambda req: pytest.fail("in-memory adapter went to the disk loader"))
+        self.worker = SimpleNamespace(model_runner=SimpleNamespace(lora_manager=mgr))
+        remove = lambda i: self.calls.append(f"remove_lora:{i}")  # noqa: E731
+        self.llm_engine = SimpleNamespace(add_lora=self._add_lora, remove_lora=remove)
+        FakeLLM.instances.append(self)
+
+    def _from_tensors(self, **kw):
+        self.loaded.append(kw)
+        return SimpleNamespace(id=kw["lora_model_id"])
+
+    def _add_lora(self, request):  # vLLM's worker calls lora_manager._load_adapter right away
+        self.calls.append(f"add_lora:{request.lora_int_id}")
+        self.worker.model_runner.lora_manager._load_adapter(request)
+        return True
+
+    def collective_rpc(self, fn, args=()):
+        self.calls.append("collective_rpc")
+        return [fn(self.worker, *args)]
+
+    def apply_model(self, fn):
+        self.calls.append("norms")
+        return [fn(self.model)]
+
+    def wake_up(self, tags=None):
+        self.calls.append(f"wake_up:{','.join(tags)}")
+
+    def sleep(self, level=1):
+        self.calls.append(f"sleep:{level}")
+
+    def reset_prefix_cache(self):
+        self.calls.append("reset_prefix_cache")
+
+    def generate(self, prompts, params, lora_request=None, use_tqdm=True):
+        self.calls.append("generate")
+        self.generated.append((prompts, params, lora_request))
+        return [SimpleNamespace(outputs=[_co(j, [p["prompt_token_ids"][0], 2], [-0.25 * (j + 1), -0.5])
+                                         for j in range(sp.n)]) for p, sp in zip(prompts, params)]
+
+
+class FakeLoRARequest:
+    def __init__(self, lora_name, lora_int_id, lora_path="", load_inplace=False, is_3d_lora_weight=False):
+        assert lora_path, "lora_path cannot be empty"
+        self.lora_name, self.lora_int_id, self.lora_path = lora_name, lora_int_id, lora_path
+        self.load_inplace, self.is_3d_lora_weight = load_inplace, is_3d_lora_weight
+
+
+@pytest.fixture
+def fake_vllm(monkeypatch):
+    assert "vllm" not in sys.modules  # importing qerl.rollout.vllm / callbacks.rollout pulled nothing in
+    mods = {name: types.ModuleType(name) for name in ("vllm", "vllm.lora", "vllm.lora.request", "vllm.lora.peft_helper")}
+    mods["vllm"].LLM = FakeLLM
+    mods["vllm"].SamplingParams = lambda **kw: SimpleNamespace(**kw)
+    mods["vllm.lora.request"].LoRARequest = FakeLoRARequest
+    mods["vllm.lora.peft_helper"].PEFTHelper = SimpleNamespace(
+        from_dict=lambda d: SimpleNamespace(**d, validate_legal=lambda cfg: None))
+    for name, mod in mods.items():
+        monkeypatch.setitem(sys.modules, name, mod)
+    monkeypatch.delenv("VLLM_ENABLE_V1_MULTIPROCESSING", raising=False)
+    FakeLLM.instances.clear()
+    return FakeLLM.instances
+
+
+def test_engine_step_sequence(fake_vllm, tmp_path):
+    import os
+
+    model, tok = _policy()
+    norms = attach_noisy_norms(model)
+    engine = VLLMEngine([tok.eos_token_id, None], VLLMSettings(export_dir=str(tmp_path / "base")), tokenizer=tok, seed=5)
+    sampling = SamplingSettings(temperature=1.0, max_new_tokens=8)
+    for step in range(2):
+        norms.set_noise(0.05, seed=1, step=step)
+        scales = norms.effective_scales()
+        engine.sync(model, scales)
+        gen = engine.generate([[9, 10, 11], [12, 13]], 2, sampling, seed=100 + step)
+        llm = fake_vllm[0]
+        if step == 0:
+            assert os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"
+            assert llm.calls == ["collective_rpc", "add_lora:1", "norms", "reset_prefix_cache", "generate", "sleep:1"]
+        else:
+            assert llm.calls == ["wake_up:weights", "remove_lora:1", "add_lora:2", "norms", "reset_prefix_cache",
+                                 "wake_up:kv_cache", "generate", "sleep:1"]
+        llm.calls.clear()
+        # the norms vLLM runs equal the trainer's effective fp32 scales, rounded to bf16
+        vllm_params = dict(llm.model.named_parameters())
+        for name, s in scales.items():
+            assert torch.equal(vllm_params[hf_to_vllm_norm_name(name)], s.to(torch.bfloat16))
+        assert 0 < engine.norm_cast_error < 0.01
+        # the adapter came from memory, under this step's id, with exactly the LoRA tensors
+        loaded = llm.loaded[-1]
+        assert loaded["lora_model_id"] == step + 1 and loaded["device"] == "cpu"
+        assert set(loaded["tensors"]) == set(adapter_tensors(model))
+        assert loaded["peft_helper"].r == 4 and loaded["peft_helper"].vllm_max_position_embeddings == 1024
+        prompts, params, lora_request = llm.generated[-1]
+        assert lora_request.lora_int_id == step + 1 and not lora_request.load_inplace
+        assert [p["prompt_token_ids"] for p in prompts] == [[9, 10, 11], [12, 13]]
+        assert all(sp.n == 2 and sp.logprobs == 0 and sp.stop_token_ids == [tok.eos_token_id] for sp in params)
+        assert params[0].seed != params[1].seed
+        assert gen.completion_ids == [[9, 2], [9, 2], [12, 2], [12, 2]]
+        assert gen.sampler_logprobs[1] == [-0.5, -0.5] and gen.finish_reasons == ["stop"] * 4
+    kw = llm.kwargs
+    assert kw["enable_lora"] and kw["max_loras"] == 1 and kw["max_lora_rank"] == 32 and kw["enable_sleep_mode"]
+    assert kw["logprobs_mode"] == "processed_logprobs" and kw["dtype"] == "bfloat16"
+    assert kw["gpu_memory_utilization"] == 0.3 and kw["seed"] == 5
+    config = json.loads((tmp_path / "base" / "config.json").read_text())
+    assert kw["model"] == str(tmp_path / "base") and config["quantization_config"]["format"] == "nvfp4-pack-quantized"
+
+
+def test_engine_greedy_repeats_prompts_and_trainable_norms(fake_vllm, tmp_path):
+    model, tok = _policy(trainable_norms=True)
+    with torch.no_grad():
+        model.get_parameter("base_model.model.model.layers.1.input_layernorm.weight").fill_(1.25)
+    engine = VLLMEngine([tok.eos_token_id], VLLMSettings(export_dir=str(tmp_path), sleep=False), tokenizer=tok)
+    engine.sync(model, None)  # no AQN: the trained norms still travel
+    gen = engine.generate([[7], [8]], 3, SamplingSettings(temperature=0.0, max_new_tokens=4), seed=0)
+    llm = fake_vllm[0]
+    assert "sleep:1" not in llm.calls and not llm.kwargs["enable_sleep_mode"]
+    assert torch.all(dict(llm.model.named_parameters())["model.layers.1.input_layernorm.weight"] == 1.25)
+    prompts, params, _ = llm.generated[-1]
+    assert [p["prompt_token_ids"] for p in prompts] == [[7]] * 3 + [[8]] * 3
+    assert all(sp.n == 1 and sp.temperature == 0.0 and sp.seed is None for sp in params)
+    assert gen.completion_ids == [[7, 2]] * 3 + [[8, 2]] * 3
+
+
+def test_callback_makes_the_vllm_engine_lazily(fake_vllm):
+    from callbacks.rollout import RolloutCallback
+
+    _, tok = load_policy("tiny-qwen2", "bf16", None, dtype="fp32")
+    cb = RolloutCallback(engine="vllm", vllm=VLLMSettings(gpu_memory_utilization=0.2), seed=3)
+    engine = cb.make_engine(SimpleNamespace(tokenizer=tok, model=SimpleNamespace(generation_config=None)))
+    assert isinstance(engine, VLLMEngine) and engine.llm is None and not fake_vllm  # nothing started yet
+    assert engine.settings.gpu_memory_utilization == 0.2 and engine.seed == 3 and engine.stop_token_ids == [tok.eos_token_id]
+
+
+# ----------------------------------------------------------------------------- real vLLM (H200)
+@pytest.mark.gpu
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is None or not torch.cuda.is_available(), reason="needs vLLM and CUDA")
+def test_vllm_logprobs_match_the_trainer_gpu(tmp_path):
+    """Tiny NVFP4 Qwen2 (dims Marlin accepts) + random LoRA + AQN noise: vLLM's sampler log-probs vs
+    the trainer's forward on the same tokens, and greedy determinism (vllm.md §2, issue #50059)."""
+    from qerl.model import add_lora, quantize_decoder_linears
+    from qerl.tiny import build_tiny_tokenizer
+
+    base = build_tiny_model("qwen2", hidden_size=256, intermediate_size=512, num_heads=2, num_kv_heads=1,
+                            dtype=torch.bfloat16)
+    quantize_decoder_linears(base, "cuda")
+    model, tok = add_lora(base, LoraSettings(rank=8)), build_tiny_tokenizer()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.05)
+    norms = attach_noisy_norms(model)
+    norms.set_noise(1e-2, seed=0, step=0)
+    settings = VLLMSettings(gpu_memory_utilization=0.2, max_model_len=256, export_dir=str(tmp_path),
+                            llm_kwargs={"enforce_eager": True})
+    engine = VLLMEngine([tok.eos_token_id], settings, tokenizer=tok)
+    engine.sync(model, norms.effective_scales())
+    prompts = [tok.encode("12+3="), tok.encode("7*8=")]
+    gen = engine.generate(prompts, 2, SamplingSettings(temperature=1.0, max_new_tokens=16), seed=0)
+    diffs = []
+    with torch.no_grad():
+        for i, completion in enumerate(gen.completion_ids):
+            prompt = prompts[i // 2]
+            ids = torch.tensor([prompt + completion], device="cuda")
+            logits = model(input_ids=ids).logits[0, len(prompt) - 1: -1].float()
+            ref = torch.log_softmax(logits, -1).gather(-1, ids[0, len(prompt):, None])[:, 0]
+            diffs.append((ref.cpu() - torch.tensor(gen.sampler_logprobs[i])).abs().max())
+    assert max(diffs) < 0.1, diffs
+    greedy = SamplingSettings(temperature=0.0, max_new_tokens=16)
+    a, b = (engine.generate(prompts, 1, greedy, seed=0) for _ in range(2))
+    assert a.completion_ids == b.completion_ids
