@@ -295,7 +295,9 @@ class PromptDataModule(L.LightningDataModule):
 
     def _resolve_tokenizer(self) -> Any:
         if self.tokenizer is None and self.tokenizer_name_or_path:
-            self.set_tokenizer(_load_tokenizer(self.tokenizer_name_or_path))
+            from qerl.model import load_tokenizer  # the model loader's: tiny names, ids, dirs, .gguf
+
+            self.set_tokenizer(load_tokenizer(self.tokenizer_name_or_path))
         if self.tokenizer is None and self.trainer is not None:
             module_tokenizer = getattr(self.trainer.lightning_module, "tokenizer", None)
             if module_tokenizer is not None:
@@ -485,13 +487,3 @@ class PromptDataModule(L.LightningDataModule):
                 " after resume differs from the original run",
                 changed,
             )
-
-
-def _load_tokenizer(name_or_path: str) -> Any:
-    from qerl.tiny import TINY_MODEL_NAMES, build_tiny_tokenizer
-
-    if name_or_path in TINY_MODEL_NAMES:
-        return build_tiny_tokenizer()
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(name_or_path)

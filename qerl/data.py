@@ -33,6 +33,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
+from qerl.answers import extract_boxed, extract_gsm8k_gold
+
 logger = logging.getLogger(__name__)
 
 DEFAULT_SYSTEM_PROMPT = "Please reason step by step, and put your final answer within \\boxed{}."
@@ -77,45 +79,6 @@ class LoadedExamples(list):
 # ----------------------------------------------------------------------------------------------
 
 
-def last_boxed(text: str) -> str | None:
-    """Content of the last closed ``\\boxed{...}`` (or ``\\fbox{...}``) with balanced braces, or None.
-
-    ``"... so $\\boxed{\\frac{1}{2}}$."`` → ``"\\frac{1}{2}"``. "Last" is the box that closes last, so
-    a nested box yields the outer one.
-    """
-    best: tuple[int, int] | None = None
-    for marker in ("\\boxed", "\\fbox"):
-        start = text.find(marker)
-        while start != -1:
-            i = start + len(marker)
-            while i < len(text) and text[i] == " ":
-                i += 1
-            if i < len(text) and text[i] == "{":
-                depth, j = 0, i
-                while j < len(text):
-                    ch = text[j]
-                    if ch == "\\":
-                        j += 2  # escaped char such as \{ or \}
-                        continue
-                    if ch == "{":
-                        depth += 1
-                    elif ch == "}":
-                        depth -= 1
-                        if depth == 0:
-                            if best is None or j > best[1]:
-                                best = (i + 1, j)
-                            break
-                    j += 1
-            start = text.find(marker, start + 1)
-    return None if best is None else text[best[0] : best[1]].strip()
-
-
-def parse_gsm8k_answer(answer: str) -> str:
-    """GSM8K gold: the text after the last ``####``, commas and ``$`` removed (``"#### 1,080"`` → ``"1080"``)."""
-    text = answer.rsplit("####", 1)[-1]
-    return text.replace(",", "").replace("$", "").strip()
-
-
 def _as_text(value: Any) -> str:
     if value is None:
         return ""
@@ -157,16 +120,16 @@ def _row_to_pair(row: Any, layout: str, prompt_key: str | None, answer_key: str 
         raise _BadRow(f"expected a JSON object, got {type(row).__name__}")
     if layout == "gsm8k":
         prompt = _field(row, prompt_key or "question")
-        answer = parse_gsm8k_answer(_field(row, answer_key or "answer"))
+        answer = extract_gsm8k_gold(_field(row, answer_key or "answer"))
     elif layout == "math":
         prompt = _field(row, prompt_key or "problem")
         if answer_key is not None:
             raw = _field(row, answer_key)
-            answer = last_boxed(raw) or raw
+            answer = extract_boxed(raw) or raw
         elif _as_text(row.get("answer")):
             answer = _as_text(row["answer"])
         elif "solution" in row:
-            answer = last_boxed(_as_text(row["solution"])) or ""
+            answer = extract_boxed(_as_text(row["solution"])) or ""
             if not answer:
                 raise _BadRow("no 'answer' field and no \\boxed{} in 'solution'")
         else:
@@ -177,7 +140,7 @@ def _row_to_pair(row: Any, layout: str, prompt_key: str | None, answer_key: str 
         prompt = _field(row, prompt_key)
         raw = _field(row, answer_key)
         # A full worked solution is reduced to its final answer; a short answer is kept as is.
-        answer = parse_gsm8k_answer(raw) if "####" in raw else (last_boxed(raw) or raw)
+        answer = extract_gsm8k_gold(raw) if "####" in raw else (extract_boxed(raw) or raw)
     else:
         raise ValueError(f"unknown layout {layout!r}; use one of {_LAYOUTS}")
     if not prompt:

@@ -13,11 +13,10 @@ from qerl import data as qdata
 from qerl.data import (
     DEFAULT_SYSTEM_PROMPT,
     build_prompt_ids,
-    last_boxed,
     load_examples,
-    parse_gsm8k_answer,
     synthetic_arithmetic,
 )
+from qerl.answers import extract_boxed, extract_gsm8k_gold
 from qerl.tiny import build_tiny_tokenizer
 
 GSM8K_ROWS = [
@@ -65,13 +64,13 @@ def tokenizer():
 
 
 def test_answer_parsing_helpers():
-    assert parse_gsm8k_answer("blah\n#### 1,080") == "1080"
-    assert parse_gsm8k_answer("#### $ 5") == "5"
-    assert last_boxed("so $\\boxed{\\frac{1}{2}}$.") == "\\frac{1}{2}"
-    assert last_boxed("\\boxed{1} then \\boxed {x^{2}}") == "x^{2}"
-    assert last_boxed("\\boxed{a \\{ b \\}}") == "a \\{ b \\}"
-    assert last_boxed("\\boxed{unclosed") is None
-    assert last_boxed("no box") is None
+    assert extract_gsm8k_gold("blah\n#### 1,080") == "1080"
+    assert extract_gsm8k_gold("#### $ 5") == "5"
+    assert extract_boxed("so $\\boxed{\\frac{1}{2}}$.") == "\\frac{1}{2}"
+    assert extract_boxed("\\boxed{1} then \\boxed {x^{2}}") == "x^{2}"
+    assert extract_boxed("\\boxed{a \\{ b \\}}") == "a \\{ b \\}"
+    assert extract_boxed("\\boxed{unclosed") is None
+    assert extract_boxed("no box") is None
 
 
 def test_gsm8k_layout(tmp_path):

@@ -1,0 +1,100 @@
+"""Answer extraction: pure string functions, linear time, never raising.
+
+Shared by the data pipeline (gold answers: GSM8K ``####``, MATH ``\\boxed{}`` in a solution) and
+the rewards (the model's boxed answer; a best-effort answer for logging tables).
+"""
+
+from __future__ import annotations
+
+import re
+
+# Optional whitespace is legal LaTeX (`\boxed {5}`); `\fbox` is what some models emit instead.
+_BOX_RE = re.compile(r"\\(?:boxed|fbox)\s*\{")
+_HASH_RE = re.compile(r"####\s*([^\n]*)")
+_ANSWER_IS_RE = re.compile(r"answer\s*(?:is|:)\s*:?\s*([^\n]*)", re.IGNORECASE)
+_PLAIN_NUMBER_RE = re.compile(r"-?\d{1,3}(?:,\d{3})+(?:\.\d+)?")
+_NUMBER_RE = re.compile(r"-?\d[\d,]*(?:\.\d+)?|-?\.\d+")
+
+
+def _boxed_spans(text: str) -> list[tuple[int, int]]:
+    """Return ``(content_start, content_end)`` of every closed ``\\boxed{...}``/``\\fbox{...}``.
+
+    Brace matching is done once for the whole string with a stack, so adversarial input such as
+    thousands of unclosed ``\\boxed{`` stays O(n) instead of rescanning from every occurrence.
+    Escaped braces (``\\{``) are skipped so set notation inside a box does not unbalance it.
+    """
+    match_of: dict[int, int] = {}
+    stack: list[int] = []
+    i, n = 0, len(text)
+    while i < n:
+        ch = text[i]
+        if ch == "\\":
+            i += 2  # skip the escaped character (\{, \}, \\)
+            continue
+        if ch == "{":
+            stack.append(i)
+        elif ch == "}" and stack:
+            match_of[stack.pop()] = i
+        i += 1
+    spans = []
+    for m in _BOX_RE.finditer(text):
+        open_pos = m.end() - 1
+        close_pos = match_of.get(open_pos)
+        if close_pos is not None:
+            spans.append((open_pos + 1, close_pos))
+    return spans
+
+
+def extract_boxed(text: str) -> str | None:
+    """Content of the last closed ``\\boxed{...}`` (or ``\\fbox{...}``), stripped; None if absent.
+
+    Braces are balanced, so ``\\boxed{\\frac{1}{2}}`` gives ``\\frac{1}{2}``. "Last" means the box
+    that closes last (as math-verify orders matches), so for nested boxes the outer one wins and
+    an unclosed trailing ``\\boxed{`` (a truncated completion) is ignored in favour of the last
+    complete box. The space form ``\\boxed 5`` is not supported.
+    """
+    if not isinstance(text, str):
+        return None
+    spans = _boxed_spans(text)
+    if not spans:
+        return None
+    start, end = max(spans, key=lambda s: s[1])
+    return text[start:end].strip()
+
+
+def extract_gsm8k_gold(answer_field: str) -> str:
+    """Gold answer of a GSM8K ``answer`` field: text after the last ``####``.
+
+    Commas and ``$`` are removed (``#### 1,000`` → ``1000``) and whitespace is stripped. A field
+    without ``####`` is treated as the bare answer and cleaned the same way.
+    """
+    text = answer_field.rsplit("####", 1)[-1] if "####" in answer_field else answer_field
+    return text.replace(",", "").replace("$", "").strip()
+
+
+def _clean_short_answer(text: str) -> str:
+    """Strip math delimiters and sentence punctuation around a one-line answer; a plain number
+    loses its thousands separators (``1,000`` → ``1000``) as in `extract_gsm8k_gold`."""
+    text = text.strip().strip("$").strip()
+    text = text.rstrip(".").strip().strip("$").strip()
+    return text.replace(",", "") if _PLAIN_NUMBER_RE.fullmatch(text) else text
+
+
+def extract_answer(completion: str) -> str | None:
+    """Best-effort answer string of a completion, for logging tables (not used for scoring).
+
+    Order (first hit wins): 1) last ``\\boxed{}``/``\\fbox{}``; 2) text after the last ``####``;
+    3) text after the last "answer is"/"answer:"; 4) the last number in the text (commas
+    removed). Returns None if none applies.
+    """
+    if not isinstance(completion, str) or not completion:
+        return None
+    boxed = extract_boxed(completion)
+    if boxed is not None:
+        return boxed
+    for pattern in (_HASH_RE, _ANSWER_IS_RE):
+        hits = pattern.findall(completion)
+        if hits and _clean_short_answer(hits[-1]):
+            return _clean_short_answer(hits[-1])
+    numbers = _NUMBER_RE.findall(completion)
+    return numbers[-1].replace(",", "") if numbers else None
