@@ -20,7 +20,7 @@ from lightning.pytorch.loggers import TensorBoardLogger
 
 from qerl.losses import groups_with_signal, overlong_penalty
 from qerl.rewards import MathAccuracy, RewardFunction, extract_answer
-from qerl.rollout import Rollout, RolloutEngine, SamplingSettings, pad_left, pad_right
+from qerl.rollout import Rollout, RolloutEngine, SamplingSettings, pad_left, pad_right, stop_token_ids
 from qerl.rollout.vllm import VLLMSettings  # settings only: vllm itself is imported when the engine starts
 
 
@@ -77,9 +77,7 @@ class RolloutCallback(L.Callback):
 
     def make_engine(self, pl_module) -> RolloutEngine:
         tok = pl_module.tokenizer
-        stop = [tok.eos_token_id]
-        gen_eos = getattr(getattr(pl_module.model, "generation_config", None), "eos_token_id", None)
-        stop += gen_eos if isinstance(gen_eos, list) else ([gen_eos] if gen_eos is not None else [])
+        stop = stop_token_ids(tok, pl_module.model)
         if self.engine_name == "hf":
             from qerl.rollout.hf import HFEngine
 

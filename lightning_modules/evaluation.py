@@ -17,7 +17,7 @@ import torch
 
 from qerl.metrics import PassAtK
 from qerl.rewards import MathAccuracy, extract_answer
-from qerl.rollout import SamplingSettings
+from qerl.rollout import SamplingSettings, stop_token_ids
 
 
 class EvaluationMixin:
@@ -28,7 +28,8 @@ class EvaluationMixin:
             from qerl.rollout.hf import HFEngine
 
             tok = self.tokenizer
-            self._evaluation_engine = HFEngine([tok.eos_token_id], tok.pad_token_id, self.eval_settings.max_batch_size)
+            self._evaluation_engine = HFEngine(stop_token_ids(tok, self.model), tok.pad_token_id,
+                                              self.eval_settings.max_batch_size)
             self._evaluation_scorer = MathAccuracy()
         self._evaluation_engine.sync(self.model)
         return self._evaluation_engine

@@ -63,6 +63,15 @@ class RolloutEngine:
         pass
 
 
+def stop_token_ids(tokenizer, model: torch.nn.Module | None = None) -> list[int]:
+    """Tokens that end a completion: the tokenizer's EOS plus the model's ``generation_config``
+    EOS ids (Qwen instruct models list both ``<|im_end|>`` and ``<|endoftext|>``)."""
+    stop = [tokenizer.eos_token_id]
+    extra = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    stop += extra if isinstance(extra, list) else ([extra] if extra is not None else [])
+    return sorted({t for t in stop if t is not None})
+
+
 def pad_left(seqs: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Left-pad token lists: returns ids and mask, both ``(B, max_len)``."""
     width = max(len(s) for s in seqs)
