@@ -200,10 +200,9 @@ class QeRLModule(EvaluationMixin, L.LightningModule):
         self._tokenizer = self._tokenizer or tokenizer
         self.model.train()  # loaders return eval mode; LoRA dropout must be live in training
         if self.adapter_path:
-            from peft import set_peft_model_state_dict
-            from peft.utils import load_peft_weights
+            from qerl.export import load_adapter_into  # LoRA + trainable norms, as on_train_end wrote them
 
-            set_peft_model_state_dict(self.model, load_peft_weights(self.adapter_path, device=str(self.device)))
+            load_adapter_into(self.model, self.adapter_path)
         if self.gradient_checkpointing:
             self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
             self.model.enable_input_require_grads()

@@ -258,16 +258,33 @@ def load_adapter(model: nn.Module, adapter_dir: str | Path) -> nn.Module:
     from peft import PeftModel
 
     peft_model = PeftModel.from_pretrained(model, str(adapter_dir))
-    norms_file = Path(adapter_dir) / TRAINABLE_NORMS_FILE
-    if norms_file.exists():
-        norms = load_file(str(norms_file))
-        base = peft_model.get_base_model()
-        unexpected = base.load_state_dict(norms, strict=False).unexpected_keys
-        if unexpected:
-            raise ValueError(f"{norms_file} has tensors the model lacks: {unexpected[:5]}")
-        for name in norms:
-            base.get_parameter(name).requires_grad_(True)
+    _load_trainable_norms(peft_model, adapter_dir)
     return peft_model
+
+
+def load_adapter_into(peft_model: nn.Module, adapter_dir: str | Path) -> nn.Module:
+    """Like :func:`load_adapter` for a model that already carries a LoRA of the same shape (the
+    policy built from a config): copy the saved LoRA weights and trainable norms into it."""
+    from peft import set_peft_model_state_dict
+    from peft.utils import load_peft_weights
+
+    device = str(next(peft_model.parameters()).device)
+    set_peft_model_state_dict(peft_model, load_peft_weights(str(adapter_dir), device=device))
+    _load_trainable_norms(peft_model, adapter_dir)
+    return peft_model
+
+
+def _load_trainable_norms(peft_model: nn.Module, adapter_dir: str | Path) -> None:
+    norms_file = Path(adapter_dir) / TRAINABLE_NORMS_FILE
+    if not norms_file.exists():
+        return
+    norms = load_file(str(norms_file))
+    base = peft_model.get_base_model()
+    unexpected = base.load_state_dict(norms, strict=False).unexpected_keys
+    if unexpected:
+        raise ValueError(f"{norms_file} has tensors the model lacks: {unexpected[:5]}")
+    for name in norms:
+        base.get_parameter(name).requires_grad_(True)
 
 
 def main(argv: list[str] | None = None) -> Path:

@@ -79,3 +79,18 @@ def test_each_quantization_arm_trains_two_steps(quantization, tmp_path, monkeypa
     assert len(values["train/loss"]) == 2 and all(math.isfinite(v) for v in values["train/loss"])
     trainable = [n for n, p in cli.model.model.named_parameters() if p.requires_grad]
     assert trainable and all("lora_" in n for n in trainable)
+
+
+def test_validate_with_adapter_path_loads_the_trained_adapter_and_norms(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    trained = main(["fit", *fast_args(tmp_path / "fit", 2), "--model.lora.trainable_norms=true"])
+    adapter = Path(trained.trainer.log_dir) / "adapter"
+    assert (adapter / "trainable_norms.safetensors").exists()
+    evaluated = main(["validate", *fast_args(tmp_path / "val", 2), "--model.lora.trainable_norms=true",
+                      f"--model.adapter_path={adapter}"])
+    want = dict(trained.model.model.named_parameters())
+    got = dict(evaluated.model.model.named_parameters())
+    checked = [n for n, p in want.items() if p.requires_grad]
+    assert any("layernorm" in n for n in checked) and any("lora_B" in n for n in checked)
+    for name in checked:
+        assert torch.equal(got[name], want[name]), name
