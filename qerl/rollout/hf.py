@@ -80,7 +80,7 @@ class HFEngine(RolloutEngine):
         return out
 
     def _generate_chunk(self, prompts: list[list[int]], sampling: SamplingSettings, gen: torch.Generator) -> Generation:
-        device = next(self.model.parameters()).device
+        device = gen.device  # the model's (see generate)
         ids, mask = pad_left(prompts, self.pad_token_id)
         ids, mask = ids.to(device), mask.to(device)
         positions = (mask.cumsum(-1) - 1).clamp(min=0)  # (B, P) — same rule as the trainer
