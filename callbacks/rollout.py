@@ -104,6 +104,8 @@ class RolloutCallback(L.Callback):
         norm_scales = pl_module.noisy_norms.effective_scales() if pl_module.noisy_norms is not None else None
         self.engine.sync(pl_module.model, norm_scales)
         timings = {"sync": time.perf_counter() - t0, "generate": 0.0, "reward": 0.0}
+        for part, seconds in getattr(self.engine, "last_sync", {}).items():  # vllm: start / adapter / norms
+            timings[f"sync/{part}"] = seconds
 
         kept, dropped = self._sample_groups(prompt_ids, prompts, answers, pl_module, step, 0, timings)
         for round_ in range(1, self.max_refill_rounds + 1):
@@ -128,6 +130,9 @@ class RolloutCallback(L.Callback):
         t0 = time.perf_counter()
         gen = self.engine.generate(prompt_ids, G, self.sampling, seed=(self.seed * 1_000_003 + step) * 16 + round_)
         timings["generate"] += time.perf_counter() - t0
+        for part, seconds in gen.timings.items():  # vllm: wake / generate / sleep inside generate
+            if part != "generate":
+                timings[f"generate/{part}"] = timings.get(f"generate/{part}", 0.0) + seconds
         t0 = time.perf_counter()
         texts = tok.batch_decode(gen.completion_ids, skip_special_tokens=True)
         gold = [a for a in answers for _ in range(G)]

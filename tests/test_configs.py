@@ -31,3 +31,15 @@ def test_broken_yaml_value_is_a_clear_error(tmp_path, capsys):
     with pytest.raises(SystemExit):
         main(["--config", str(bad)], run=False)
     assert "quantization" in capsys.readouterr().err
+
+
+def test_vllm_recipe_parses_without_importing_vllm(tmp_path, monkeypatch):
+    import sys
+
+    monkeypatch.chdir(tmp_path)
+    path = CONFIGS[0].parent / "testbed_qwen2.5-coder-0.5b_grpo_nvfp4_vllm.yaml"
+    cli = main(["--config", str(path), "--trainer.accelerator", "cpu"], run=False)
+    rollout = next(cb for cb in cli.trainer.callbacks if type(cb).__name__ == "RolloutCallback")
+    assert rollout.engine_name == "vllm" and rollout.engine is None  # the engine starts at fit, not at parse
+    assert rollout.vllm.gpu_memory_utilization == 0.3 and rollout.vllm.max_model_len == 1024 and rollout.vllm.sleep
+    assert "vllm" not in sys.modules

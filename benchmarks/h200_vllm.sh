@@ -1,0 +1,59 @@
+#!/usr/bin/env bash
+# Issue #6's H200 runs (colocated vLLM), stage by stage, on the lent GPU machine (device tool).
+#
+#   ../shared/tools/gpu-pack vllm; ../shared/tools/gpu-pack deps; ../shared/tools/gpu-pack testbed
+#   (+ the LightningCLI wheels the GPU image lacks, in .whl/cli: jsonargparse, docstring-parser, typeshed-client)
+#   then one device call per chunk (cp .carry/<name>/cN/* /tmp/carry-<name>/), and
+#   bash benchmarks/h200_vllm.sh setup            # unpack + install the bundles, GGUF -> /tmp/testbed_bf16
+#   bash benchmarks/h200_vllm.sh parity gputest   # benchmarks/vllm_parity.py + the vLLM GPU test
+#   bash benchmarks/h200_vllm.sh fit              # a short GRPO fit through train.py with engine: vllm
+#   bash benchmarks/h200_vllm.sh bench            # benchmarks/rollout_vllm.py (7B shape, nvfp4 vs bf16)
+# Logs and JSON land in $OUT (the device tool's return folder) or /tmp/out.
+set -u
+OUT=${OUT:-/tmp/out}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 VLLM_ENABLE_V1_MULTIPROCESSING=0 VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_NO_USAGE_STATS=1
+export PYTHONPATH=/tmp/site-vllm:/tmp/site-deps:/tmp/site-gguf:/tmp/site-cli:$PWD
+TESTBED=/tmp/testbed_bf16
+
+unpack() {  # name: /tmp/carry-<name>/part.* -> /tmp/site-<name>
+  local name=$1 site=/tmp/site-$1
+  [ "$name" = testbed ] && site=/tmp/site-gguf
+  [ -d "$site" ] && return 0
+  cat /tmp/carry-"$name"/part.* | tar xf - -C /tmp/carry-"$name" || return 1
+  python3 -m pip install -q --no-index --no-deps --no-compile --target "$site" /tmp/carry-"$name"/files/*.whl
+}
+
+for stage in "$@"; do
+  case "$stage" in
+    setup)
+      for b in vllm deps testbed; do unpack $b || echo "unpack $b failed"; done
+      python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site-cli .whl/cli/*.whl
+      [ -d $TESTBED ] || python3 -m qerl.export --model /tmp/carry-testbed/files/qwen2.5-coder-0.5b-instruct-q4_k_m.gguf \
+        --format bf16 --out $TESTBED 2>&1 | tail -3
+      python3 -c "import vllm, torchao, jsonargparse; print('vllm', vllm.__version__, 'torchao', torchao.__version__)"
+      ;;
+    parity)
+      timeout 330 python3 benchmarks/vllm_parity.py --model $TESTBED --data data/gsm8k/test.jsonl \
+        --out "$OUT"/vllm_parity_h200.json > "$OUT"/parity.log 2>&1; echo "parity exit $?"
+      grep -v "^INFO\|^DEBUG" "$OUT"/parity.log | tail -25
+      ;;
+    gputest)
+      timeout 150 python3 -m pytest -q -x -m gpu tests/test_vllm_engine.py > "$OUT"/gputest.log 2>&1
+      echo "gputest exit $?"; tail -5 "$OUT"/gputest.log
+      ;;
+    fit)
+      rm -rf logs/fit_vllm
+      timeout 420 python3 train.py fit --config configs/testbed_qwen2.5-coder-0.5b_grpo_nvfp4_vllm.yaml \
+        --model.model $TESTBED --trainer.max_steps 8 --trainer.limit_val_batches 0 --data.prompts_per_step 16 \
+        --trainer.logger.init_args.save_dir logs/fit_vllm > "$OUT"/fit.log 2>&1
+      echo "fit exit $?"; grep -v "^INFO\|^DEBUG" "$OUT"/fit.log | tail -15
+      python3 benchmarks/tb_scalars.py logs/fit_vllm --out "$OUT"/fit_vllm_h200.json | tail -30
+      ;;
+    bench)
+      timeout 560 python3 benchmarks/rollout_vllm.py --out "$OUT"/rollout_vllm_h200.json > "$OUT"/bench.log 2>&1
+      echo "bench exit $?"; grep -v "^INFO\|^DEBUG\|^(EngineCore" "$OUT"/bench.log | tail -30
+      ;;
+    *) echo "unknown stage $stage" ;;
+  esac
+done

@@ -1,0 +1,213 @@
+"""Does the colocated vLLM engine roll out the policy the trainer trains? Issue #6's checks (H200).
+
+    python benchmarks/vllm_parity.py --model PATH(.gguf|dir) --data data/gsm8k/test.jsonl
+        [--prompts 16] [--samples 4] [--sigma 0.01] [--out benchmarks/results/vllm_parity_h200.json]
+
+The policy is the trainer's: the base loaded and quantized to NVFP4 (our Triton kernels), LoRA r32
+on every decoder linear with B drawn at random (std ``--lora-std``) so the adapter changes the
+outputs, as after some RL steps. ``VLLMEngine`` (``qerl/rollout/vllm.py``) exports it, starts vLLM
+and pushes the adapter from memory, exactly as ``engine: vllm`` does in training. Then:
+
+1. **load**: vLLM's linear kernel (Marlin on sm_90) and the export's size.
+2. **greedy**: ``--greedy-tokens`` greedy tokens per prompt from vLLM and from the trainer's own
+   greedy decode (the HF engine on the same policy); per prompt the length of the common prefix.
+3. **sampled log-probs**: T = 1 completions from vLLM; their sampler log-probs against the
+   trainer's teacher-forced log-probs of the same tokens: mean / p99 / max |Δ|.
+4. **adapter live**: one Adam step on the LoRA weights; vLLM's log-probs of the same tokens (scored
+   as prompt log-probs) before and after the next ``sync``, against the trainer's new ones.
+5. **AQN**: noise of std ``--sigma`` on the norms; vLLM (synced with the noisy scales) against the
+   trainer's noisy and clean forwards.
+6. **sleep**: free GPU memory awake vs asleep (the KV cache and the weights are released).
+
+Prints a summary and writes the JSON with every number; asserts nothing (the GPU test
+``tests/test_vllm_engine.py::test_vllm_logprobs_match_the_trainer_gpu`` does, on a tiny model).
+"""
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from qerl.aqn import attach_noisy_norms  # noqa: E402
+from qerl.data import DEFAULT_SYSTEM_PROMPT, build_prompt_ids, load_examples  # noqa: E402
+from qerl.model import LoraSettings, load_policy  # noqa: E402
+from qerl.rollout import SamplingSettings, stop_token_ids  # noqa: E402
+from qerl.rollout.hf import HFEngine  # noqa: E402
+from qerl.rollout.vllm import VLLMEngine, VLLMSettings  # noqa: E402
+
+
+def trainer_logprobs(model, prompts: list[list[int]], completions: list[list[int]], grad: bool = False):
+    """Teacher-forced log-probs of each completion token, one unpadded sequence at a time."""
+    out = []
+    with torch.set_grad_enabled(grad):
+        for p, c in zip(prompts, completions):
+            ids = torch.tensor([p + c], device="cuda")
+            logits = model(input_ids=ids).logits[0, len(p) - 1: -1].float()  # (T, V)
+            out.append(torch.log_softmax(logits, -1).gather(-1, ids[0, len(p):, None])[:, 0])
+    return out
+
+
+def vllm_scores(engine: VLLMEngine, prompts, completions) -> list[torch.Tensor]:
+    """vLLM's log-probs of given completions under its current adapter and norms (prompt log-probs)."""
+    from vllm import SamplingParams
+
+    engine.wake()
+    params = SamplingParams(max_tokens=1, temperature=1.0, prompt_logprobs=0, detokenize=False)
+    reqs = [{"prompt_token_ids": p + c} for p, c in zip(prompts, completions)]
+    outs = engine.llm.generate(reqs, params, lora_request=engine._lora_request, use_tqdm=False)
+    engine.sleep()
+    scores = []
+    for o, p, c in zip(outs, prompts, completions):
+        rows = o.prompt_logprobs[len(p):]
+        scores.append(torch.tensor([row[t].logprob for row, t in zip(rows, c)]))
+    return scores
+
+
+def abs_diff(a: list[torch.Tensor], b: list[torch.Tensor]) -> dict:
+    d = torch.cat([(x.detach().float().cpu() - y.detach().float().cpu()).abs() for x, y in zip(a, b)])
+    return {"mean": d.mean().item(), "p99": d.quantile(0.99).item(), "max": d.max().item(), "tokens": d.numel()}
+
+
+def linear_kernel(engine: VLLMEngine) -> str:
+    def probe(model):
+        for name, m in model.named_modules():
+            scheme = getattr(getattr(m, "quant_method", None), "scheme", None)
+            if scheme is not None:
+                return f"{name}: {type(scheme).__name__} / {type(getattr(scheme, 'kernel', None)).__name__}"
+        return "no quantized linear found"
+
+    engine.wake()
+    try:
+        return engine.llm.apply_model(probe)[0]
+    finally:
+        engine.sleep()
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--data", required=True)
+    ap.add_argument("--prompts", type=int, default=16)
+    ap.add_argument("--samples", type=int, default=4)
+    ap.add_argument("--greedy-tokens", type=int, default=32)
+    ap.add_argument("--sample-tokens", type=int, default=128)
+    ap.add_argument("--lora-std", type=float, default=2e-3)
+    ap.add_argument("--lr", type=float, default=2e-3)
+    ap.add_argument("--sigma", type=float, default=1e-2)
+    ap.add_argument("--gpu-memory-utilization", type=float, default=0.3)
+    ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "vllm_parity_h200.json"))
+    args = ap.parse_args()
+    res: dict = {"model": os.path.basename(args.model), "device": torch.cuda.get_device_name(), "args": vars(args)}
+
+    def save():
+        os.makedirs(os.path.dirname(args.out), exist_ok=True)
+        with open(args.out, "w") as f:
+            json.dump(res, f, indent=1)
+
+    t0 = time.perf_counter()
+    model, tok = load_policy(args.model, "nvfp4", LoraSettings(rank=32, alpha=32), dtype="bf16", device="cuda")
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if "lora_B" in n:
+                p.normal_(std=args.lora_std)
+    model.eval()
+    res["load_policy_s"] = time.perf_counter() - t0
+    rows = load_examples(args.data, split="test", limit=args.prompts)
+    prompts = [build_prompt_ids(tok, ex.prompt, DEFAULT_SYSTEM_PROMPT) for ex in rows]
+    stops = stop_token_ids(tok, model)
+
+    # 1. load: export + vLLM start + adapter from memory
+    settings = VLLMSettings(gpu_memory_utilization=args.gpu_memory_utilization, max_model_len=2048,
+                            llm_kwargs={"compilation_config": {"cudagraph_capture_sizes": [1, 2, 4, 8, 16, 32, 64]}})
+    engine = VLLMEngine(stops, settings, tokenizer=tok, seed=0)
+    t0 = time.perf_counter()
+    engine.sync(model)
+    res["first_sync_s"], res["first_sync_parts"] = time.perf_counter() - t0, engine.last_sync
+    res["export_bytes"] = sum(f.stat().st_size for f in engine.export_dir.glob("*.safetensors"))
+    res["vllm_linear_kernel"] = linear_kernel(engine)
+    print("loaded:", res["vllm_linear_kernel"], f"{res['first_sync_s']:.1f} s", flush=True)
+    save()
+
+    # 2. greedy tokens: vLLM vs the trainer's own decode
+    greedy = SamplingSettings(temperature=0.0, max_new_tokens=args.greedy_tokens)
+    v = engine.generate(prompts, 1, greedy, seed=0).completion_ids
+    hf = HFEngine(stops, tok.pad_token_id if tok.pad_token_id is not None else stops[0], max_batch_size=len(prompts))
+    hf.sync(model)
+    t = hf.generate(prompts, 1, greedy, seed=0).completion_ids
+    prefix = [next((i for i, (a, b) in enumerate(zip(x, y)) if a != b), min(len(x), len(y))) for x, y in zip(v, t)]
+    full = [x == y for x, y in zip(v, t)]
+    res["greedy"] = {"tokens": args.greedy_tokens, "common_prefix": prefix,
+                     "frac_prompts_identical": sum(full) / len(full)}
+    print("greedy: identical on", f"{sum(full)}/{len(full)} prompts; common prefixes {prefix}", flush=True)
+    save()
+
+    # 3. sampled completions: vLLM's sampler log-probs vs the trainer's teacher-forced ones
+    sampling = SamplingSettings(temperature=1.0, top_p=1.0, top_k=0, max_new_tokens=args.sample_tokens)
+    gen = engine.generate(prompts, args.samples, sampling, seed=1)
+    rep_prompts = [p for p in prompts for _ in range(args.samples)]
+    comps = gen.completion_ids
+    before = trainer_logprobs(model, rep_prompts, comps)
+    res["sampled_logprobs"] = abs_diff(before, [torch.tensor(x) for x in gen.sampler_logprobs])
+    res["scored_vs_sampler"] = abs_diff(vllm_scores(engine, rep_prompts, comps),
+                                        [torch.tensor(x) for x in gen.sampler_logprobs])
+    print("sampled |Δ logprob|:", res["sampled_logprobs"], flush=True)
+    save()
+
+    # 4. one optimizer step on the adapter: is the new adapter live after sync?
+    lora = [p for n, p in model.named_parameters() if p.requires_grad]
+    opt = torch.optim.Adam(lora, lr=args.lr)
+    model.train()
+    n_tokens = sum(len(c) for c in comps)
+    for p, c in zip(rep_prompts, comps):  # one sequence at a time: the graph of 64 at once is tens of GB
+        (-trainer_logprobs(model, [p], [c], grad=True)[0].sum() / n_tokens).backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    model.eval()
+    after = trainer_logprobs(model, rep_prompts, comps)
+    stale = vllm_scores(engine, rep_prompts, comps)
+    t0 = time.perf_counter()
+    engine.sync(model)
+    res["step_sync_s"], res["step_sync_parts"] = time.perf_counter() - t0, engine.last_sync
+    live = vllm_scores(engine, rep_prompts, comps)
+    res["adapter_update"] = {"trainer_move": abs_diff(after, before), "vllm_stale_vs_trainer": abs_diff(stale, after),
+                             "vllm_after_sync_vs_trainer": abs_diff(live, after)}
+    print("adapter update:", {k: round(d["mean"], 4) for k, d in res["adapter_update"].items()}, flush=True)
+    save()
+
+    # 5. AQN noise: vLLM synced with the noisy scales vs the trainer's noisy and clean forwards
+    norms = attach_noisy_norms(model)
+    norms.set_noise(args.sigma, seed=0, step=3)
+    engine.sync(model, norms.effective_scales())
+    noisy_vllm = vllm_scores(engine, rep_prompts, comps)
+    noisy_trainer = trainer_logprobs(model, rep_prompts, comps)
+    res["aqn"] = {"sigma": args.sigma, "norm_cast_error": engine.norm_cast_error,
+                  "vllm_vs_trainer_noisy": abs_diff(noisy_vllm, noisy_trainer),
+                  "vllm_vs_trainer_clean": abs_diff(noisy_vllm, after),
+                  "trainer_noisy_vs_clean": abs_diff(noisy_trainer, after)}
+    print("aqn:", {k: (round(d["mean"], 4) if isinstance(d, dict) else d) for k, d in res["aqn"].items()}, flush=True)
+    save()
+
+    # 6. sleep releases the KV cache and the weights
+    torch.cuda.synchronize()
+    engine.wake()
+    free_awake = torch.cuda.mem_get_info()[0]
+    t0 = time.perf_counter()
+    engine.sleep()
+    sleep_s = time.perf_counter() - t0
+    free_asleep = torch.cuda.mem_get_info()[0]
+    t0 = time.perf_counter()
+    engine.wake()
+    res["sleep"] = {"freed_gib": (free_asleep - free_awake) / 2**30, "sleep_s": sleep_s,
+                    "wake_s": time.perf_counter() - t0}
+    engine.sleep()
+    print("sleep:", res["sleep"], flush=True)
+    save()
+
+
+if __name__ == "__main__":
+    main()
