@@ -75,7 +75,7 @@ def abs_diff(a: list[torch.Tensor], b: list[torch.Tensor]) -> dict:
 def linear_kernel(engine: VLLMEngine) -> str:
     def probe(model):
         for name, m in model.named_modules():
-            scheme = getattr(getattr(m, "quant_method", None), "scheme", None)
+            scheme = getattr(m, "scheme", None)  # compressed-tensors keeps its scheme on the layer
             if scheme is not None:
                 return f"{name}: {type(scheme).__name__} / {type(getattr(scheme, 'kernel', None)).__name__}"
         return "no quantized linear found"

@@ -1,7 +1,8 @@
 """The colocated vLLM rollout engine: NVFP4 base + unmerged LoRA + noisy RMSNorm scales, in process.
 
-**Status: written against the vLLM 0.25.0 sources (research/vllm.md) and tested on CPU against a
-fake ``vllm`` module only. It has NOT yet been run against a real vLLM on a GPU.**
+Status: written against the vLLM 0.25.0 sources (research/vllm.md); the call sequence is tested on
+CPU against a fake ``vllm`` module, and the real thing on an H200 (``benchmarks/vllm_parity.py``,
+``benchmarks/rollout_vllm.py``, the GPU test in ``tests/test_vllm_engine.py``; README "Measured").
 
 Manual (``engine: vllm`` in ``RolloutCallback``, settings under ``vllm:`` = :class:`VLLMSettings`):
 
