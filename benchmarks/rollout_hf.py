@@ -1,11 +1,14 @@
 """Embedded (hf) rollout engine throughput: NVFP4 (Triton W4A16 kernels) vs bf16, same engine.
 
     python benchmarks/rollout_hf.py [--shape 7b|tiny] [--batches 1,8,64] [--prompt 256] [--new 256]
+        [--modes graph,eager]
 
 A Qwen2.5-7B-shaped model with random weights (std 0.02) and LoRA r32 on every decoder linear, as
 during RL. For each batch size B: B random prompts of ``--prompt`` tokens, ``--new`` sampled tokens
 each (no stop token, so every row decodes the full length), one warm-up generation, then the timed
-one. tok/s = B * new / seconds (generated tokens only; prefill included in the time).
+one. tok/s = B * new / seconds (generated tokens only; prefill and, for ``graph``, the per-call
+CUDA-graph capture included). ``graph``: the engine's default on CUDA (static KV cache, decode step
+replayed as a CUDA graph); ``eager``: ``cuda_graphs=False`` (dynamic cache, one eager forward per token).
 Prints a table and writes benchmarks/results/rollout_hf_h200.json (or --out).
 """
 
@@ -50,8 +53,8 @@ def build(shape: str, quantization: str, device: str):
     return model.eval(), config.vocab_size
 
 
-def bench(model, vocab: int, batch: int, prompt: int, new: int, device: str) -> float:
-    engine = HFEngine(stop_token_ids=[-1], pad_token_id=0, max_batch_size=batch)
+def bench(model, vocab: int, batch: int, prompt: int, new: int, device: str, cuda_graphs: bool) -> float:
+    engine = HFEngine(stop_token_ids=[-1], pad_token_id=0, max_batch_size=batch, cuda_graphs=cuda_graphs)
     engine.sync(model)
     g = torch.Generator().manual_seed(batch)
     prompts = torch.randint(1, vocab, (batch, prompt), generator=g).tolist()
@@ -72,24 +75,29 @@ def main():
     ap.add_argument("--batches", default="1,8,64")
     ap.add_argument("--prompt", type=int, default=256)
     ap.add_argument("--new", type=int, default=256)
+    ap.add_argument("--modes", default="graph,eager", help="graph: static cache + CUDA graph; eager: dynamic cache")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "rollout_hf_h200.json"))
     args = ap.parse_args()
     device = "cuda" if torch.cuda.is_available() else "cpu"
     rows = []
     for quantization in ("bf16", "nvfp4"):
         model, vocab = build(args.shape, quantization, device)
-        for b in [int(x) for x in args.batches.split(",")]:
-            tok_s = bench(model, vocab, b, args.prompt, args.new, device)
-            rows.append({"quantization": quantization, "B": b, "lora": True, "shape": args.shape,
-                         "prompt_tokens": args.prompt, "new_tokens": args.new, "tok_s": round(tok_s, 1)})
-            print(f"{quantization:6s} B={b:3d}  {tok_s:9.1f} tok/s", flush=True)
+        for mode in args.modes.split(","):
+            for b in [int(x) for x in args.batches.split(",")]:
+                tok_s = bench(model, vocab, b, args.prompt, args.new, device, cuda_graphs=mode == "graph")
+                rows.append({"quantization": quantization, "B": b, "lora": True, "decode": mode, "shape": args.shape,
+                             "prompt_tokens": args.prompt, "new_tokens": args.new, "tok_s": round(tok_s, 1)})
+                print(f"{quantization:6s} {mode:5s} B={b:3d}  {tok_s:9.1f} tok/s", flush=True)
         del model
         torch.cuda.empty_cache() if device == "cuda" else None
-    by = {(r["quantization"], r["B"]): r["tok_s"] for r in rows}
-    print("\n|  B | bf16 tok/s | nvfp4 tok/s | nvfp4/bf16 |\n|---|---|---|---|")
-    for b in sorted({r["B"] for r in rows}):
-        print(f"| {b} | {by[('bf16', b)]:.1f} | {by[('nvfp4', b)]:.1f} | {by[('nvfp4', b)] / by[('bf16', b)]:.2f} |")
-    meta = {"device": torch.cuda.get_device_name() if device == "cuda" else "cpu", "torch": torch.__version__}
+    by = {(r["quantization"], r["decode"], r["B"]): r["tok_s"] for r in rows}
+    print("\n| decode | B | bf16 tok/s | nvfp4 tok/s | nvfp4/bf16 |\n|---|---|---|---|---|")
+    for mode in args.modes.split(","):
+        for b in sorted({r["B"] for r in rows}):
+            bf, fp = by[("bf16", mode, b)], by[("nvfp4", mode, b)]
+            print(f"| {mode} | {b} | {bf:.1f} | {fp:.1f} | {fp / bf:.2f} |")
+    meta = {"device": torch.cuda.get_device_name() if device == "cuda" else "cpu", "torch": torch.__version__,
+            "command": "python benchmarks/rollout_hf.py " + " ".join(sys.argv[1:])}
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump({"meta": meta, "rows": rows}, f, indent=1)

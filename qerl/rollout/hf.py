@@ -5,6 +5,14 @@ A plain sampling loop over the HF forward with a KV cache, written out rather th
 forward the trainer uses, (2) sampling is seeded by a ``torch.Generator`` (reproducible, and
 independent of the global RNG), and (3) position ids of left-padded prompts match the trainer's.
 Whatever the model carries (LoRA, AQN noisy norms, NVFP4 kernels) is what generates.
+
+Two decoders share the loop. ``_DynamicDecoder``: HF's growing KV cache, one eager forward per token
+(any device, any attention implementation). ``_StaticDecoder`` (CUDA, ``cuda_graphs=True``): a
+``StaticCache`` with one slot per prompt + new token and explicit 4-D masks, so every decode step has
+the same shapes and addresses; the one-token step is captured once per chunk as a CUDA graph and
+replayed, which removes the per-kernel launch cost that dominates small-batch decode (hundreds of
+small kernels per token at 7B). The graph is captured per ``generate`` chunk, after the AQN noise and
+the adapter of the step are in place, so it always runs the current policy.
 """
 
 from __future__ import annotations
@@ -36,6 +44,103 @@ def filter_logits(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tenso
 warnings.filterwarnings("ignore", message=".*past_key_values.*deprecated.*")
 
 
+class _DynamicDecoder:
+    """HF's dynamic KV cache: prefill, then one eager forward per token."""
+
+    def __init__(self, model, ids, mask, positions):
+        self.model, self.mask, self.positions = model, mask, positions
+        out = model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True, logits_to_keep=1)
+        self.cache, self.logits = out.past_key_values, out.logits[:, -1]  # (B, V)
+
+    def step(self, nxt: torch.Tensor) -> torch.Tensor:
+        self.mask = torch.cat([self.mask, torch.ones_like(self.mask[:, :1])], 1)
+        self.positions = self.positions[:, -1:] + 1
+        out = self.model(input_ids=nxt[:, None], attention_mask=self.mask, position_ids=self.positions,
+                         past_key_values=self.cache, use_cache=True)
+        self.cache = out.past_key_values
+        return out.logits[:, -1]
+
+
+class _StaticDecoder:
+    """Static KV cache of ``P + max_new`` slots and explicit 4-D masks: every decode step has the same
+    shapes and buffers, so with ``graph`` it is captured as a CUDA graph on the first step and replayed.
+
+    Slot j of row b may be attended when it holds a real token (prompt non-pad, or generated) and
+    j <= the query's slot; a left-pad query also sees itself (a fully masked row would give NaN
+    values that leak through 0 * NaN into later attention).
+    """
+
+    def __init__(self, model, ids, mask, positions, max_new_tokens: int, graph: bool):
+        from transformers import StaticCache
+
+        B, P = ids.shape
+        L = P + max_new_tokens
+        dev = ids.device
+        self.model, self.graph, self.slot = model, None, P
+        self.use_graph = graph
+        config = model.config
+        self.cache = StaticCache(config=config, max_cache_len=L)
+        self.valid = torch.zeros(B, L, dtype=torch.bool, device=dev)  # slots that hold real tokens
+        self.valid[:, :P] = mask.bool()
+        j = torch.arange(L, device=dev)
+        sees = (j[None, :] <= j[:P, None]) & (self.valid[:, None, :] | (j[None, :] == j[:P, None]))  # (B, P, L)
+        self.dtype = next(p for p in model.parameters() if p.is_floating_point()).dtype
+        self.eager = getattr(config, "_attn_implementation", "sdpa") == "eager"  # additive float masks
+        out = model(input_ids=ids, attention_mask=self._mask(sees[:, None]), position_ids=positions,
+                    past_key_values=self.cache, use_cache=True, logits_to_keep=1)
+        self.logits = out.logits[:, -1]  # (B, V)
+        # the static inputs of the decode step, updated in place
+        self.tok = torch.zeros(B, 1, dtype=torch.long, device=dev)
+        self.pos = positions[:, -1:].clone()  # (B, 1)
+        self.step_mask = self._mask(self.valid[:, None, None, :].clone())  # (B, 1, 1, L)
+        self._open = 0.0 if self.eager else True
+
+    def _mask(self, allowed: torch.Tensor) -> torch.Tensor:
+        if not self.eager:
+            return allowed  # sdpa: True = attend
+        return torch.zeros(allowed.shape, dtype=self.dtype, device=allowed.device).masked_fill(
+            ~allowed, torch.finfo(self.dtype).min)
+
+    def _forward(self) -> torch.Tensor:
+        return self.model(input_ids=self.tok, attention_mask=self.step_mask, position_ids=self.pos,
+                          past_key_values=self.cache, use_cache=True).logits[:, -1]
+
+    def step(self, nxt: torch.Tensor) -> torch.Tensor:
+        self.tok.copy_(nxt[:, None])
+        self.pos.add_(1)
+        self.step_mask[:, :, :, self.slot] = self._open  # the new token's slot (the cache writes it there)
+        self.slot += 1
+        if not self.use_graph:
+            return self._forward()
+        if self.graph is None:
+            # first step eager on a side stream (autotuning, cuBLAS workspaces, lazy buffers), then
+            # capture the next; the cache advances its own write position inside the graph
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                logits = self._forward()
+            torch.cuda.current_stream().wait_stream(side)
+            self.graph = torch.cuda.CUDAGraph()
+            self._ready = False
+            return logits
+        if not self._ready:
+            with torch.cuda.graph(self.graph):
+                self.graph_logits = self._forward()
+            self._ready = True
+        self.graph.replay()
+        return self.graph_logits
+
+
+def decode_mode(device_type: str, cuda_graphs: bool, attn_implementation: str, static: bool | None = None) -> str:
+    """``graph`` (static cache, CUDA graph), ``static`` (static cache, eager) or ``dynamic``.
+    ``static=True`` forces the static cache (tests run it on the CPU), ``False`` the dynamic one;
+    attention implementations that take no explicit 4-D mask (flash attention...) stay dynamic."""
+    graph = device_type == "cuda" and cuda_graphs
+    if not (graph if static is None else static) or attn_implementation not in ("sdpa", "eager"):
+        return "dynamic"
+    return "graph" if graph else "static"
+
+
 class HFEngine(RolloutEngine):
     """Samples from the training model in place.
 
@@ -43,12 +148,16 @@ class HFEngine(RolloutEngine):
         stop_token_ids: token ids that end a completion (EOS, ``<|im_end|>``...).
         pad_token_id: id fed for finished rows and used to pad prompts.
         max_batch_size: sequences decoded together; larger prompt sets are done in chunks.
+        cuda_graphs: on CUDA, decode with a static KV cache replayed as a CUDA graph (sdpa or eager
+            attention); otherwise, and on CPU, one eager forward per token with HF's dynamic cache.
     """
 
-    def __init__(self, stop_token_ids: list[int], pad_token_id: int, max_batch_size: int = 64):
+    def __init__(self, stop_token_ids: list[int], pad_token_id: int, max_batch_size: int = 64,
+                 cuda_graphs: bool = True):
         self.stop_token_ids = sorted(set(stop_token_ids))
         self.pad_token_id = pad_token_id
         self.max_batch_size = max_batch_size
+        self.cuda_graphs = cuda_graphs
         self.model: torch.nn.Module | None = None
 
     def sync(self, model: torch.nn.Module, norm_scales: dict[str, torch.Tensor] | None = None) -> None:
@@ -79,7 +188,15 @@ class HFEngine(RolloutEngine):
         out.timings["generate"] = time.perf_counter() - start
         return out
 
-    def _generate_chunk(self, prompts: list[list[int]], sampling: SamplingSettings, gen: torch.Generator) -> Generation:
+    def _decoder(self, ids, mask, positions, sampling: SamplingSettings, static: bool | None = None):
+        impl = getattr(self.model.config, "_attn_implementation", "sdpa")
+        mode = decode_mode(ids.device.type, self.cuda_graphs, impl, static)
+        if mode == "dynamic":
+            return _DynamicDecoder(self.model, ids, mask, positions)
+        return _StaticDecoder(self.model, ids, mask, positions, sampling.max_new_tokens, graph=mode == "graph")
+
+    def _generate_chunk(self, prompts: list[list[int]], sampling: SamplingSettings, gen: torch.Generator,
+                        static: bool | None = None) -> Generation:
         device = gen.device  # the model's (see generate)
         ids, mask = pad_left(prompts, self.pad_token_id)
         ids, mask = ids.to(device), mask.to(device)
@@ -90,9 +207,10 @@ class HFEngine(RolloutEngine):
         logprobs = torch.empty(rows, 0, dtype=torch.float32, device=device)
         finished = torch.zeros(rows, dtype=torch.bool, device=device)
         lengths = torch.full((rows,), sampling.max_new_tokens, dtype=torch.long, device=device)
-        out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True, logits_to_keep=1)
+        decoder = self._decoder(ids, mask, positions, sampling, static)
+        logits_bf = decoder.logits
         for t in range(sampling.max_new_tokens):
-            logits = out.logits[:, -1].float()  # (B, V)
+            logits = logits_bf.float()  # (B, V)
             greedy = sampling.temperature <= 0
             scaled = logits if greedy else logits / sampling.temperature
             logp = F.log_softmax(scaled, dim=-1)
@@ -109,10 +227,7 @@ class HFEngine(RolloutEngine):
             finished |= just_stopped
             if bool(finished.all()) or t + 1 == sampling.max_new_tokens:
                 break
-            mask = torch.cat([mask, torch.ones_like(mask[:, :1])], 1)
-            positions = positions[:, -1:] + 1
-            out = self.model(input_ids=nxt[:, None], attention_mask=mask, position_ids=positions,
-                             past_key_values=out.past_key_values, use_cache=True)
+            logits_bf = decoder.step(nxt)
         result = Generation([], [], [])
         for i in range(rows):
             n_tok = int(lengths[i])
