@@ -33,6 +33,8 @@ class RolloutCallback(L.Callback):
         sampling: temperature, top-p, top-k, max_new_tokens.
         engine: hf (the training model itself, works on CPU) or vllm (colocated; GPU).
         max_batch_size: sequences decoded together by the hf engine.
+        cuda_graphs: hf engine on CUDA: decode from a static KV cache with the one-token step
+            replayed as a CUDA graph (6-11x faster at small batch); false = one eager forward per token.
         dynamic_sampling: DAPO: drop groups whose rewards are all equal and refill from fresh prompts.
         max_refill_rounds: at most this many extra generation rounds per step for dynamic sampling.
         overlong_buffer: DAPO soft overlong punishment over the last this-many tokens (0 = off).
@@ -51,6 +53,7 @@ class RolloutCallback(L.Callback):
         sampling: SamplingSettings | None = None,
         engine: Literal["hf", "vllm"] = "hf",
         max_batch_size: int = 64,
+        cuda_graphs: bool = True,
         dynamic_sampling: bool = False,
         max_refill_rounds: int = 2,
         overlong_buffer: int = 0,
@@ -65,6 +68,7 @@ class RolloutCallback(L.Callback):
         self.sampling = sampling or SamplingSettings()
         self.engine_name = engine
         self.max_batch_size = max_batch_size
+        self.cuda_graphs = cuda_graphs
         self.dynamic_sampling = dynamic_sampling
         self.max_refill_rounds = max_refill_rounds
         self.overlong_buffer = overlong_buffer
@@ -81,7 +85,7 @@ class RolloutCallback(L.Callback):
         if self.engine_name == "hf":
             from qerl.rollout.hf import HFEngine
 
-            return HFEngine(stop, tok.pad_token_id, self.max_batch_size)
+            return HFEngine(stop, tok.pad_token_id, self.max_batch_size, cuda_graphs=self.cuda_graphs)
         if self.engine_name == "vllm":
             from qerl.rollout.vllm import VLLMEngine
 

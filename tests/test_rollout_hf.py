@@ -19,7 +19,7 @@ def _policy(attn: str = "sdpa", device: str = "cpu", dtype: str = "fp32"):
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "lora_B" in name:
-                p.normal_(0, 0.05, generator=torch.Generator().manual_seed(len(name)))
+                p.copy_(0.05 * torch.randn(p.shape, generator=torch.Generator().manual_seed(len(name))))
     model.config._attn_implementation = attn
     norms = attach_noisy_norms(model)
     norms.set_noise(0.05, seed=0, step=1)  # AQN on: the generating forward carries the noise
