@@ -6,23 +6,20 @@ scale before q/k/v (``input_layernorm``) and gate/up (``post_attention_layernorm
 
 * Noise controllers (chosen in YAML by ``class_path``) give sigma per optimizer step: staged
   schedules (exponential is the paper's), periodic re-heats, or a closed loop on reward/entropy.
-* :func:`attach_noisy_norms` wraps the norms, matched by module *name* (the released code's
-  isinstance test never matches vLLM's norms), and applies the noise in fp32 inside the forward.
-  The weight is never modified (bf16 rounds away sigma < ~4e-3 near 1; in-place adds accumulate).
+* :func:`attach_noisy_norms` (``qerl/noisy_norms.py``, re-exported here) wraps the norms, matched by
+  module *name* (the released code's isinstance test never matches vLLM's norms), and applies the
+  noise in fp32 inside the forward; the weight is never modified.
 
 ``step`` is the number of optimizer steps already taken (Lightning's ``global_step``), so 0-based.
 """
 
 from __future__ import annotations
 
-import contextlib
 import math
-import re
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-import torch
-from torch import nn
+from qerl.noisy_norms import NoisyNorms, attach_noisy_norms, noise_seed  # noqa: F401  (re-exported: AQN in one place)
 
 
 # ----------------------------------------------------------------------------- controllers
@@ -310,182 +307,3 @@ class AdaptiveNoise(NoiseController):
                 setattr(self, k, state[k])
         self.last_decision = dict(self.last_decision)
         self.base.load_state_dict(state.get("base", {}))
-
-
-# ----------------------------------------------------------------------------- noisy norms
-_WRAPPER_SUFFIX = re.compile(r"(\.original_module|\.modules_to_save\.[^.]+|\.base_layer)$")
-
-
-def noise_seed(seed: int, step: int) -> int:
-    """The generator seed of one (run seed, optimizer step) pair."""
-    return (int(seed) * 1_000_003 + int(step)) % (2**63)
-
-
-def _eps(module: nn.Module) -> float | None:
-    for attr in ("variance_epsilon", "eps"):
-        value = getattr(module, attr, None)
-        if isinstance(value, float):
-            return value
-    return None
-
-
-def _rmsnorm(module: nn.Module, hidden_states: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
-    """HF RMSNorm with scale ``weight.float() + noise``, all in fp32, cast back at the end."""
-    input_dtype = hidden_states.dtype
-    h = hidden_states.to(torch.float32)
-    variance = h.pow(2).mean(-1, keepdim=True)
-    h = h * torch.rsqrt(variance + module.aqn_eps)
-    out = h * (module.weight.float() + noise.to(h.device))
-    return out.to(torch.promote_types(module.weight.dtype, input_dtype))
-
-
-class _NoisyForward:
-    """Instance-level ``forward`` of a wrapped norm: the original forward while noise is off."""
-
-    def __init__(self, module: nn.Module, original) -> None:
-        self.module, self.original = module, original  # original: an instance-level forward or None
-
-    def __call__(self, hidden_states: torch.Tensor, *args, **kwargs):
-        m = self.module
-        if not m.aqn_active:
-            if self.original is not None:
-                return self.original(hidden_states, *args, **kwargs)
-            return type(m).forward(m, hidden_states, *args, **kwargs)
-        if args or kwargs:
-            raise TypeError("a noisy norm takes only hidden_states")
-        return _rmsnorm(m, hidden_states, m.aqn_noise)
-
-
-def _wrap(module: nn.Module, name: str) -> None:
-    if isinstance(module.__dict__.get("forward"), _NoisyForward):
-        return  # already wrapped (e.g. a deepcopy of a wrapped model): adopt it
-    eps, weight = _eps(module), getattr(module, "weight", None)
-    if eps is None or not isinstance(weight, torch.Tensor) or weight.dim() != 1 or getattr(module, "bias", None) is not None:
-        raise ValueError(f"{name} ({type(module).__name__}) is not an RMSNorm with a 1-D weight and an eps")
-    module.aqn_eps = eps
-    module.aqn_noise = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
-    module.aqn_active = False
-    if weight.device.type != "meta":  # the replica must equal the original on this norm class
-        with torch.no_grad():
-            x = torch.randn(3, weight.shape[0], generator=torch.Generator().manual_seed(0)).to(weight)
-            if not torch.allclose(module(x).float(), _rmsnorm(module, x, module.aqn_noise).float(), rtol=1e-2, atol=1e-2):
-                raise ValueError(f"{name} ({type(module).__name__}) does not compute weight * x * rsqrt(mean(x^2) + eps)")
-    module.forward = _NoisyForward(module, module.__dict__.get("forward"))
-
-
-class NoisyNorms:
-    """Handle on the noisy norms of one model (made by :func:`attach_noisy_norms`).
-
-    ``names`` are the matched module names with peft wrapper suffixes stripped (a peft
-    ``modules_to_save`` norm's original and trainable copies share one name and one noise vector).
-    """
-
-    def __init__(self, targets: dict[str, tuple[nn.Module, list[nn.Module]]]) -> None:
-        self._targets = targets  # name -> (module at that name, wrapped leaf norms)
-        self.names: list[str] = list(targets)
-        self.sigma, self.seed, self.step = 0.0, 0, -1
-        self._enabled = True
-
-    @property
-    def is_enabled(self) -> bool:
-        """False inside :meth:`disable` (reference/KL pass, evaluation)."""
-        return self._enabled
-
-    @property
-    def active(self) -> bool:
-        """True when the forward adds noise now."""
-        return self._enabled and self.sigma > 0
-
-    def _sync(self) -> None:
-        for _, leaves in self._targets.values():
-            for leaf in leaves:
-                leaf.aqn_active = self.active
-
-    @torch.no_grad()
-    def set_noise(self, sigma: float, seed: int, step: int) -> None:
-        """Draw Z ~ N(0, sigma^2) for every noisy norm, from a CPU generator seeded by (seed, step).
-
-        The standard normal draws depend only on (seed, step), so a resumed run, another device or
-        another sigma gets the same (scaled) noise; sigma = 0 turns the noise off exactly.
-        """
-        self.sigma, self.seed, self.step = float(sigma), int(seed), int(step)
-        gen = torch.Generator().manual_seed(noise_seed(seed, step))
-        for _, leaves in self._targets.values():
-            z = torch.randn(leaves[0].weight.shape, generator=gen, dtype=torch.float32) * self.sigma
-            for leaf in leaves:
-                if leaf.aqn_noise.device != leaf.weight.device:
-                    leaf.aqn_noise = torch.zeros_like(z, device=leaf.weight.device)
-                leaf.aqn_noise.copy_(z)  # in place: keeps the tensor identity torch.compile saw
-        self._sync()
-
-    @contextlib.contextmanager
-    def enabled(self, flag: bool = True) -> Iterator[NoisyNorms]:
-        """Context with the noise turned on (``flag``) or off; restores the previous setting."""
-        previous, self._enabled = self._enabled, bool(flag)
-        self._sync()
-        try:
-            yield self
-        finally:
-            self._enabled = previous
-            self._sync()
-
-    def disable(self) -> contextlib.AbstractContextManager[NoisyNorms]:
-        """Context with the noise off (the clean policy), e.g. ``with norms.disable(): ...``."""
-        return self.enabled(False)
-
-    @torch.no_grad()
-    def effective_scales(self) -> dict[str, torch.Tensor]:
-        """fp32 ``weight + Z`` of each noisy norm as applied in the forward now (plain weight when off).
-
-        Uses the weight the module at that name currently runs (peft: the active adapter's copy).
-        """
-        out = {}
-        for name, (top, leaves) in self._targets.items():
-            w = top.weight.detach().float()
-            out[name] = w + leaves[0].aqn_noise.to(w.device) if self.active else w.clone()
-        return out
-
-    @torch.no_grad()
-    def fraction_changed(self) -> float:
-        """Fraction of noisy-norm channels whose applied fp32 scale differs from the plain weight."""
-        changed = total = 0
-        for name, scale in self.effective_scales().items():
-            w = self._targets[name][0].weight.detach().float()
-            changed += int((scale != w).sum())
-            total += w.numel()
-        return changed / max(total, 1)
-
-    def remove(self) -> None:
-        """Unwrap every norm (restores the original forwards; the handle is dead afterwards)."""
-        for _, leaves in self._targets.values():
-            for leaf in leaves:
-                fwd = leaf.__dict__.pop("forward")
-                if fwd.original is not None:
-                    leaf.forward = fwd.original
-                for attr in ("aqn_eps", "aqn_noise", "aqn_active"):
-                    leaf.__dict__.pop(attr, None)
-        self._targets, self.names = {}, []
-
-
-def attach_noisy_norms(model: nn.Module,
-                       module_names: Sequence[str] = ("input_layernorm", "post_attention_layernorm")) -> NoisyNorms:
-    """Wrap every norm whose qualified name ends with one of ``module_names`` (by name, any class).
-
-    Works on plain HF models and peft-wrapped ones. The norms' parameters, buffers and state_dict
-    keys are unchanged, and noise starts off (sigma = 0). Raises if nothing matches.
-    """
-    targets: dict[str, tuple[nn.Module, list[nn.Module]]] = {}
-    modules = dict(model.named_modules())
-    for qname, module in modules.items():
-        if "weight" not in module._parameters:
-            continue
-        name = qname
-        while _WRAPPER_SUFFIX.search(name):
-            name = _WRAPPER_SUFFIX.sub("", name)
-        if not any(name == n or name.endswith("." + n) for n in module_names):
-            continue
-        _wrap(module, qname)
-        targets.setdefault(name, (modules[name], []))[1].append(module)
-    if not targets:
-        raise ValueError(f"no module name ends with any of {list(module_names)}")
-    return NoisyNorms(targets)
