@@ -9,7 +9,6 @@ from peft.tuners.lora import Linear as LoraLinear
 from qerl.model import (
     DECODER_LINEARS,
     LoraSettings,
-    add_lora,
     base_weight_bytes,
     count_parameters,
     load_base_model,
