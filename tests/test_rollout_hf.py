@@ -14,8 +14,8 @@ from qerl.rollout.hf import HFEngine, decode_mode
 PROMPTS = [[5, 6, 7, 8, 9], [11, 12], [13, 14, 15], [20]]  # different lengths: left padding matters
 
 
-def _policy(attn: str = "sdpa", device: str = "cpu", dtype: str = "fp32"):
-    model, tok = load_policy("tiny-qwen2", "nvfp4", LoraSettings(rank=4), dtype=dtype, device=device)
+def _policy(attn: str = "sdpa", device: str = "cpu", dtype: str = "fp32", quantization: str = "nvfp4"):
+    model, tok = load_policy("tiny-qwen2", quantization, LoraSettings(rank=4), dtype=dtype, device=device)
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "lora_B" in name:
@@ -70,10 +70,11 @@ def test_decode_mode():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_cuda_graph_decoder_equals_eager_gpu():
-    """bf16 NVFP4 policy (Triton kernels) on the GPU: the graph-replayed static decoder against the
-    eager dynamic one, greedy and sampled, with LoRA and AQN noise."""
-    model, tok = _policy("sdpa", "cuda", "bf16")
+@pytest.mark.parametrize("quantization", ["nvfp4", "nf4", "bf16"])
+def test_cuda_graph_decoder_equals_eager_gpu(quantization):
+    """bf16-activation policy on the GPU (NVFP4: our Triton kernels; NF4: bitsandbytes): the
+    graph-replayed static decoder against the eager dynamic one, greedy and sampled, with LoRA and AQN."""
+    model, tok = _policy("sdpa", "cuda", "bf16", quantization)
     graphed = HFEngine([tok.eos_token_id], tok.pad_token_id, cuda_graphs=True)
     eager = HFEngine([tok.eos_token_id], tok.pad_token_id, cuda_graphs=False)
     greedy = SamplingSettings(temperature=0.0, max_new_tokens=24)
@@ -84,3 +85,21 @@ def test_cuda_graph_decoder_equals_eager_gpu():
     sampled = SamplingSettings(temperature=1.0, max_new_tokens=24)
     a, b = _generate(graphed, model, sampled, 5, None), _generate(graphed, model, sampled, 5, None)
     assert a.completion_ids == b.completion_ids  # replay is deterministic under the same seed
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_capture_failure_falls_back_to_eager_gpu(caplog):
+    """A module that syncs with the host (here a hook calling .item()) cannot be captured: the engine
+    warns and finishes the chunk eagerly with the same tokens."""
+    model, tok = _policy("sdpa", "cuda", "bf16")
+    greedy = SamplingSettings(temperature=0.0, max_new_tokens=16)
+    expected = _generate(HFEngine([tok.eos_token_id], tok.pad_token_id, cuda_graphs=False), model, greedy, 0, None)
+    layer = next(m for n, m in model.named_modules() if n.endswith("layers.0"))
+    handle = layer.register_forward_hook(lambda mod, args, out: float(args[0].float().sum().item()) and None)
+    try:
+        got = _generate(HFEngine([tok.eos_token_id], tok.pad_token_id, cuda_graphs=True), model, greedy, 0, None)
+    finally:
+        handle.remove()
+    assert got.completion_ids == expected.completion_ids
+    assert "capture of the decode step failed" in caplog.text

@@ -17,6 +17,7 @@ the adapter of the step are in place, so it always runs the current policy.
 
 from __future__ import annotations
 
+import logging
 import time
 import warnings
 
@@ -24,6 +25,8 @@ import torch
 import torch.nn.functional as F
 
 from qerl.rollout.base import Generation, RolloutEngine, SamplingSettings, pad_left
+
+log = logging.getLogger(__name__)
 
 
 def filter_logits(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
@@ -124,8 +127,16 @@ class _StaticDecoder:
             self._ready = False
             return logits
         if not self._ready:
-            with torch.cuda.graph(self.graph):
-                self.graph_logits = self._forward()
+            try:
+                with torch.cuda.graph(self.graph):
+                    self.graph_logits = self._forward()
+            except Exception as err:  # a module that cannot be captured: keep the static cache, run eagerly
+                # (nothing ran during the failed capture, so the cache's write position is unchanged)
+                log.warning("CUDA-graph capture of the decode step failed (%s: %s); decoding eagerly. "
+                            "Set RolloutCallback(cuda_graphs=False) to skip the attempt.", type(err).__name__, err)
+                self.use_graph, self.graph = False, None
+                torch.cuda.synchronize()
+                return self._forward()
             self._ready = True
         self.graph.replay()
         return self.graph_logits
