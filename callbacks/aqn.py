@@ -29,6 +29,9 @@ class AQNCallback(L.Callback):
         module_names: norms that receive noise, matched by the end of their module name.
         seed: noise seed; the draw for a step depends only on (seed, global_step).
         history: how many recent steps of reward/entropy the controller sees.
+        scale_precision: fp32 (the noisy scale w + Z as drawn; right for the hf engine) or bf16 (w + Z
+            stochastically rounded to bf16, unbiased): use bf16 with ``engine: vllm``, which keeps
+            norms in bf16 and would otherwise round noise below half a bf16 step (~4e-3 near 1) away.
     """
 
     def __init__(
@@ -38,12 +41,14 @@ class AQNCallback(L.Callback):
         module_names: list[str] | None = None,
         seed: int = 0,
         history: int = 200,
+        scale_precision: Literal["fp32", "bf16"] = "fp32",
     ):
         self.controller = controller if controller is not None else ExponentialSchedule()
         self.apply_to = apply_to
         self.module_names = module_names or ["input_layernorm", "post_attention_layernorm"]
         self.seed = seed
         self.history = history
+        self.scale_precision = scale_precision
         self.monitor = MonitorState()
         self._prepared_step = -1
         self._eval_context = None
@@ -61,7 +66,7 @@ class AQNCallback(L.Callback):
             return
         self._prepared_step = step
         sigma = float(self.controller.sigma(step, self.monitor))
-        pl_module.noisy_norms.set_noise(sigma, self.seed, step)
+        pl_module.noisy_norms.set_noise(sigma, self.seed, step, self.scale_precision)
         metrics = {
             "aqn/sigma": sigma,
             "aqn/stage": float(self.controller.stage(step)),

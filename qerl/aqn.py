@@ -19,7 +19,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from qerl.noisy_norms import NoisyNorms, attach_noisy_norms, noise_seed  # noqa: F401  (re-exported: AQN in one place)
+from qerl.noisy_norms import NoisyNorms, attach_noisy_norms, noise_seed, stochastic_round_bf16  # noqa: F401  (re-exported: AQN in one place)
 
 
 # ----------------------------------------------------------------------------- controllers

@@ -25,6 +25,16 @@ def noise_seed(seed: int, step: int) -> int:
     return (int(seed) * 1_000_003 + int(step)) % (2**63)
 
 
+def stochastic_round_bf16(x: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+    """Round fp32 ``x`` to one of its two bf16 neighbours, the upper with probability equal to the
+    fractional distance (unbiased: E[result] = x); returned as fp32 holding bf16 values. bf16 is the
+    top half of the fp32 bit pattern, so adding a uniform 16-bit integer to the bits and truncating
+    does it (sign-magnitude: it rounds |x| the same way for either sign)."""
+    bits = x.detach().to(torch.float32).contiguous().view(torch.int32)
+    noise = torch.randint(0, 1 << 16, x.shape, generator=generator, dtype=torch.int32, device=generator.device)
+    return ((bits + noise.to(bits.device)) & -65536).view(torch.float32)  # -65536 == 0xFFFF0000
+
+
 def _eps(module: nn.Module) -> float | None:
     for attr in ("variance_epsilon", "eps"):
         value = getattr(module, attr, None)
@@ -106,16 +116,27 @@ class NoisyNorms:
                 leaf.aqn_active = self.active
 
     @torch.no_grad()
-    def set_noise(self, sigma: float, seed: int, step: int) -> None:
+    def set_noise(self, sigma: float, seed: int, step: int, scale_precision: str = "fp32") -> None:
         """Draw Z ~ N(0, sigma^2) for every noisy norm, from a CPU generator seeded by (seed, step).
 
         The standard normal draws depend only on (seed, step), so a resumed run, another device or
         another sigma gets the same (scaled) noise; sigma = 0 turns the noise off exactly.
+        ``scale_precision="bf16"``: the noisy scale w + Z is stochastically rounded to bf16 (unbiased,
+        same generator), so an engine that keeps norms in bf16 (vLLM) runs exactly the trainer's
+        noisy model instead of one where round-to-nearest erased noise below half a bf16 step.
+        The mean is kept, but well below one bf16 step (Δ, 2^-8..2^-7 near 1) the noise becomes
+        sparse: a channel moves by Δ with probability ~|Z|/Δ, so its std is ~sqrt(0.8 sigma Δ)
+        (about 1.5e-3 for sigma = 5e-4 near 1) rather than sigma.
         """
+        if scale_precision not in ("fp32", "bf16"):
+            raise ValueError(f"scale_precision must be 'fp32' or 'bf16', not {scale_precision!r}")
         self.sigma, self.seed, self.step = float(sigma), int(seed), int(step)
         gen = torch.Generator().manual_seed(noise_seed(seed, step))
-        for _, leaves in self._targets.values():
+        for name, (top, leaves) in self._targets.items():
             z = torch.randn(leaves[0].weight.shape, generator=gen, dtype=torch.float32) * self.sigma
+            if scale_precision == "bf16" and self.sigma > 0:
+                w = top.weight.detach().float().cpu()
+                z = stochastic_round_bf16(w + z, gen) - w  # exact in fp32: both are bf16 values
             for leaf in leaves:
                 if leaf.aqn_noise.device != leaf.weight.device:
                     leaf.aqn_noise = torch.zeros_like(z, device=leaf.weight.device)

@@ -23,6 +23,7 @@ from qerl.aqn import (
     OscillatingSchedule,
     attach_noisy_norms,
     noise_seed,
+    stochastic_round_bf16,
 )
 from qerl.tiny import build_tiny_model, build_tiny_tokenizer
 
@@ -288,6 +289,43 @@ def test_fp32_noise_survives_where_bf16_weight_noise_rounds_away():
     assert norms.fraction_changed() == 1.0
     assert not torch.equal(_logits(model), ref)
     assert torch.equal(model.model.layers[0].input_layernorm.weight.detach(), w)
+
+
+def test_stochastic_round_bf16_is_unbiased_and_lands_on_neighbours():
+    x = torch.tensor([1.0 + 2**-9, -3.3, 0.77, 2.0**-20, 1.0])  # between bf16 steps, negative, tiny, exact
+    gen = torch.Generator().manual_seed(0)
+    draws = torch.stack([stochastic_round_bf16(x, gen) for _ in range(4000)])  # (4000, 5)
+    assert torch.equal(draws, draws.bfloat16().float())  # every draw is a bf16 value
+    down = x.bfloat16().float()  # nearest; the other neighbour is one bf16 step away on x's far side
+    for j in range(len(x)):
+        values = set(draws[:, j].tolist())
+        assert len(values) <= 2 and down[j].item() in values | {x[j].item()}
+    assert torch.equal(draws[:, 4], torch.ones(4000))  # exact values stay put
+    # unbiased: the mean equals x within 4 standard errors of a two-point draw
+    step = (draws.max(0).values - draws.min(0).values).clamp(min=1e-30)
+    assert torch.all((draws.mean(0) - x).abs() <= 4 * step * 0.5 / math.sqrt(4000) + 1e-12)
+
+
+def test_bf16_scale_precision_keeps_small_noise_alive_in_a_bf16_copy():
+    """With scale_precision='bf16' the noisy scale is a bf16 value (an exact copy into a bf16 engine),
+    still unbiased around w + Z, so sigma = 5e-4 (the schedule's end) moves many channels, where
+    round-to-nearest of the same fp32 scale would leave almost all of them unchanged."""
+    model = build_tiny_model("qwen2", dtype=torch.bfloat16)
+    norms = attach_noisy_norms(model)
+    norms.set_noise(5e-4, seed=0, step=3)
+    nearest = {n: s.bfloat16().float() for n, s in norms.effective_scales().items()}
+    norms.set_noise(5e-4, seed=0, step=3, scale_precision="bf16")
+    scales = norms.effective_scales()
+    weights = {n: model.get_submodule(n).weight.detach().float() for n in scales}
+    assert all(torch.equal(s, s.bfloat16().float()) for s in scales.values())
+    moved_sr = sum(int((scales[n] != weights[n]).sum()) for n in scales)
+    moved_nearest = sum(int((nearest[n] != weights[n]).sum()) for n in scales)
+    total = sum(w.numel() for w in weights.values())
+    assert moved_nearest / total < 0.2 and moved_sr / total > 0.03 and moved_sr > 2 * moved_nearest
+    norms.set_noise(5e-4, seed=0, step=3, scale_precision="bf16")  # same (seed, step): same draw
+    assert all(torch.equal(scales[n], s) for n, s in norms.effective_scales().items())
+    with pytest.raises(ValueError, match="scale_precision"):
+        norms.set_noise(1e-3, seed=0, step=0, scale_precision="fp16")
 
 
 def test_torch_compile_follows_noise_without_recompiling():

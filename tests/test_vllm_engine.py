@@ -226,6 +226,22 @@ def test_engine_step_sequence(fake_vllm, tmp_path):
     assert kw["model"] == str(tmp_path / "base") and config["quantization_config"]["format"] == "nvfp4-pack-quantized"
 
 
+def test_bf16_noisy_scales_copy_exactly_and_fp32_ones_warn(fake_vllm, tmp_path, caplog):
+    model, tok = _policy()
+    model.to(torch.bfloat16)  # the trainer's norms in bf16, as in real runs
+    norms = attach_noisy_norms(model)
+    engine = VLLMEngine([tok.eos_token_id], VLLMSettings(export_dir=str(tmp_path)), tokenizer=tok)
+    norms.set_noise(5e-4, seed=0, step=1, scale_precision="bf16")
+    engine.sync(model, norms.effective_scales())
+    vllm_params = dict(fake_vllm[0].model.named_parameters())
+    assert engine.norm_cast_error == 0.0 and "scale_precision" not in caplog.text
+    for name, scale in norms.effective_scales().items():
+        assert torch.equal(vllm_params[hf_to_vllm_norm_name(name)].float(), scale)  # vLLM runs the trainer's model
+    norms.set_noise(5e-4, seed=0, step=2)  # fp32 scales: rounded to nearest in vLLM, with a warning
+    engine.sync(model, norms.effective_scales())
+    assert engine.norm_cast_error > 0 and "scale_precision='bf16'" in caplog.text
+
+
 def test_engine_greedy_repeats_prompts_and_trainable_norms(fake_vllm, tmp_path):
     model, tok = _policy(trainable_norms=True)
     with torch.no_grad():

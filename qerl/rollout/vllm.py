@@ -26,10 +26,12 @@ Manual (``engine: vllm`` in ``RolloutCallback``, settings under ``vllm:`` = :cla
   truncation: they agree only with ``top_p=1, top_k=0`` (QeRL's setting); otherwise a warning is
   logged. Greedy (T=0) gives log softmax(logits), as in the HF engine; since vLLM refuses ``n>1``
   when greedy, each prompt is then sent ``n`` times.
-* **Noise precision.** vLLM keeps norms in the model dtype (bf16): the fp32 scale w + Z is rounded
-  to bf16 (spacing 2^-7 near 1), so noise of sigma below ~4e-3 is largely rounded away in rollouts
-  while the trainer applies it in fp32. ``norm_cast_error`` holds the largest rounding of the last
-  sync; the truncated-IS ratio absorbs the difference.
+* **Noise precision.** vLLM keeps norms in the model dtype (bf16). With ``AQNCallback(
+  scale_precision="bf16")`` the trainer rounds w + Z stochastically to bf16 (unbiased), so the copy
+  is exact and vLLM runs the trainer's noisy model. With the default fp32 scales the copy rounds to
+  nearest (spacing 2^-7 near 1: noise of sigma below ~4e-3 is largely erased in rollouts while the
+  trainer applies it) and a warning says so; ``norm_cast_error`` holds the largest rounding of the
+  last sync, and the truncated-IS ratio absorbs the difference.
 * **Seeds.** Request i gets its own seed derived from (seed, i) (vLLM adds the sample index), so a
   step is reproducible; per-request generators cost a small per-row loop in vLLM's sampler
   (``seed_requests: false`` turns them off).
@@ -245,6 +247,7 @@ class VLLMEngine(RolloutEngine):
         self._lora_id, self._lora_request = 0, None
         self._asleep: set[str] = set()
         self._warned_truncation = False
+        self._warned_rounding = False
         self.norm_cast_error = 0.0
         self.last_sync: dict[str, float] = {}
 
@@ -335,6 +338,12 @@ class VLLMEngine(RolloutEngine):
         scales.update({hf_to_vllm_norm_name(n): s for n, s in (norm_scales or {}).items()})
         if scales:
             self.norm_cast_error = max(self.llm.apply_model(lambda m: copy_norm_scales(m, scales)))
+            if norm_scales and self.norm_cast_error > 0 and not self._warned_rounding:
+                log.warning("vLLM keeps norms in bf16: the noisy norm scales were rounded to nearest (largest "
+                            "change %.2g), which erases noise below half a bf16 step; set "
+                            "AQNCallback(scale_precision='bf16') to round them stochastically in the trainer, "
+                            "so vLLM runs exactly the trainer's noisy model", self.norm_cast_error)
+                self._warned_rounding = True
 
     def sync(self, model: nn.Module, norm_scales: dict[str, torch.Tensor] | None = None) -> None:
         t0 = time.perf_counter()
