@@ -108,7 +108,7 @@ class RolloutCallback(L.Callback):
         norm_scales = pl_module.noisy_norms.effective_scales() if pl_module.noisy_norms is not None else None
         self.engine.sync(pl_module.model, norm_scales)
         timings = {"sync": time.perf_counter() - t0, "generate": 0.0, "reward": 0.0}
-        for part, seconds in getattr(self.engine, "last_sync", {}).items():  # vllm: start / adapter / norms
+        for part, seconds in self.engine.last_sync.items():  # vllm: start / adapter / norms
             timings[f"sync/{part}"] = seconds
 
         kept, dropped = self._sample_groups(prompt_ids, prompts, answers, pl_module, step, 0, timings)

@@ -132,7 +132,7 @@ class NoisyNorms:
             raise ValueError(f"scale_precision must be 'fp32' or 'bf16', not {scale_precision!r}")
         self.sigma, self.seed, self.step = float(sigma), int(seed), int(step)
         gen = torch.Generator().manual_seed(noise_seed(seed, step))
-        for name, (top, leaves) in self._targets.items():
+        for top, leaves in self._targets.values():
             z = torch.randn(leaves[0].weight.shape, generator=gen, dtype=torch.float32) * self.sigma
             if scale_precision == "bf16" and self.sigma > 0:
                 w = top.weight.detach().float().cpu()

@@ -79,14 +79,14 @@ class _StaticDecoder:
         B, P = ids.shape
         L = P + max_new_tokens
         dev = ids.device
-        self.model, self.graph, self.slot = model, None, P
-        self.use_graph = graph
+        self.model, self.slot = model, P
+        self.use_graph, self._warmed, self.graph = graph, False, None  # graph: captured on the second step
         config = model.config
         self.cache = StaticCache(config=config, max_cache_len=L)
-        self.valid = torch.zeros(B, L, dtype=torch.bool, device=dev)  # slots that hold real tokens
-        self.valid[:, :P] = mask.bool()
+        valid = torch.zeros(B, L, dtype=torch.bool, device=dev)  # slots that hold real tokens
+        valid[:, :P] = mask.bool()
         j = torch.arange(L, device=dev)
-        sees = (j[None, :] <= j[:P, None]) & (self.valid[:, None, :] | (j[None, :] == j[:P, None]))  # (B, P, L)
+        sees = (j[None, :] <= j[:P, None]) & (valid[:, None, :] | (j[None, :] == j[:P, None]))  # (B, P, L)
         self.dtype = next(p for p in model.parameters() if p.is_floating_point()).dtype
         self.eager = getattr(config, "_attn_implementation", "sdpa") == "eager"  # additive float masks
         out = model(input_ids=ids, attention_mask=self._mask(sees[:, None]), position_ids=positions,
@@ -95,7 +95,7 @@ class _StaticDecoder:
         # the static inputs of the decode step, updated in place
         self.tok = torch.zeros(B, 1, dtype=torch.long, device=dev)
         self.pos = positions[:, -1:].clone()  # (B, 1)
-        self.step_mask = self._mask(self.valid[:, None, None, :].clone())  # (B, 1, 1, L)
+        self.step_mask = self._mask(valid[:, None, None, :].clone())  # (B, 1, 1, L)
         self._open = 0.0 if self.eager else True
 
     def _mask(self, allowed: torch.Tensor) -> torch.Tensor:
@@ -115,7 +115,7 @@ class _StaticDecoder:
         self.slot += 1
         if not self.use_graph:
             return self._forward()
-        if self.graph is None:
+        if not self._warmed:
             # first step eager on a side stream (autotuning, cuBLAS workspaces, lazy buffers), then
             # capture the next; the cache advances its own write position inside the graph
             side = torch.cuda.Stream()
@@ -123,21 +123,21 @@ class _StaticDecoder:
             with torch.cuda.stream(side):
                 logits = self._forward()
             torch.cuda.current_stream().wait_stream(side)
-            self.graph = torch.cuda.CUDAGraph()
-            self._ready = False
+            self._warmed = True
             return logits
-        if not self._ready:
+        if self.graph is None:
+            graph = torch.cuda.CUDAGraph()
             try:
-                with torch.cuda.graph(self.graph):
+                with torch.cuda.graph(graph):
                     self.graph_logits = self._forward()
             except Exception as err:  # a module that cannot be captured: keep the static cache, run eagerly
                 # (nothing ran during the failed capture, so the cache's write position is unchanged)
                 log.warning("CUDA-graph capture of the decode step failed (%s: %s); decoding eagerly. "
                             "Set RolloutCallback(cuda_graphs=False) to skip the attempt.", type(err).__name__, err)
-                self.use_graph, self.graph = False, None
+                self.use_graph = False
                 torch.cuda.synchronize()
                 return self._forward()
-            self._ready = True
+            self.graph = graph
         self.graph.replay()
         return self.graph_logits
 
