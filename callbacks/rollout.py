@@ -11,6 +11,8 @@ completions, extracted answers and rewards goes to TensorBoard's Text tab (``com
 
 from __future__ import annotations
 
+import importlib.util
+import sys
 import time
 from typing import Literal
 
@@ -93,8 +95,22 @@ class RolloutCallback(L.Callback):
         raise ValueError(f"unknown rollout engine {self.engine_name!r}; use 'hf' or 'vllm'")
 
     def on_fit_start(self, trainer, pl_module) -> None:
+        if self.engine_name == "vllm":
+            self._check_vllm_setup(trainer)
         if self.engine is None:  # created lazily: never at import or --print_config
             self.engine = self.make_engine(pl_module)
+
+    def _check_vllm_setup(self, trainer) -> None:
+        """Fail at fit start, not at the first rollout after minutes of loading, when vLLM is missing
+        or the longest prompt + max_new_tokens cannot fit its context."""
+        if "vllm" not in sys.modules and importlib.util.find_spec("vllm") is None:
+            raise ModuleNotFoundError("rollout engine 'vllm' needs vLLM (CUDA): pip install -e '.[vllm]' "
+                                      "(or use engine: hf)")
+        longest = getattr(trainer.datamodule, "max_prompt_length", None)
+        limit = self.vllm.max_model_len
+        if longest is not None and limit is not None and longest + self.sampling.max_new_tokens > limit:
+            raise ValueError(f"data.max_prompt_length={longest} + sampling.max_new_tokens="
+                             f"{self.sampling.max_new_tokens} exceeds vllm.max_model_len={limit}")
 
     # ------------------------------------------------------------------ the rollout
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:

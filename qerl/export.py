@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import shutil
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -129,9 +130,10 @@ def _linear_names(model: nn.Module) -> set[str]:
     return {hf_name(n) for n, m in model.named_modules() if isinstance(m, nn.Linear) and not _is_adapter(n)}
 
 
-def _warn_unshared_scales(scales: dict[str, torch.Tensor]) -> None:
-    """vLLM fuses q/k/v and gate/up into one GEMM with one global scale (max over shards): warn
-    when a group's scales differ, since vLLM would then decode some shards with the wrong scale."""
+def _check_shared_scales(scales: dict[str, torch.Tensor]) -> None:
+    """vLLM fuses q/k/v and gate/up into one GEMM with one global scale (the max over the shards),
+    so a group whose scales differ would decode its other shards scaled by g_i / g_max: refuse.
+    ``qerl.model`` quantizes each group with one shared scale."""
     for prefix in scales:
         parent, short = prefix.rpartition(".")[::2]
         for group in SHARED_SCALE_GROUPS:
@@ -139,7 +141,8 @@ def _warn_unshared_scales(scales: dict[str, torch.Tensor]) -> None:
                 continue
             vals = [scales.get(f"{parent}.{g}") for g in group]
             if all(v is not None for v in vals) and not all(torch.equal(vals[0], v) for v in vals[1:]):
-                log.warning("%s.{%s} have different global scales; vLLM will fuse them with max()", parent, ",".join(group))
+                raise ValueError(f"{parent}.{{{','.join(group)}}} have different per-tensor scales; vLLM fuses them "
+                                 "with one (max) scale: quantize them with a shared one (qerl.model does)")
 
 
 def _write_safetensors(entries: dict[str, Entry], out: Path, max_shard_bytes: int) -> None:
@@ -212,7 +215,7 @@ def export_nvfp4(model: nn.Module, tokenizer: PreTrainedTokenizerBase | None, ou
         entries[f"{prefix}.weight_global_scale"] = (4, lambda p=pts: torch.reciprocal(p))
     if not scales:
         raise ValueError("the model has no NVFP4 weights: load it with quantization 'nvfp4' first")
-    _warn_unshared_scales(scales)
+    _check_shared_scales(scales)
     ignore = sorted(_linear_names(model) - set(scales))
     _write_safetensors(entries, out, max_shard_bytes)
     _write_rest(model, tokenizer, out, dtype, nvfp4a16_quantization_config(ignore))
@@ -287,23 +290,57 @@ def _load_trainable_norms(peft_model: nn.Module, adapter_dir: str | Path) -> Non
         base.get_parameter(name).requires_grad_(True)
 
 
+_CLI_EPILOG = """\
+writes into --out: config.json (+ quantization_config for nvfp4), model.safetensors (or shards +
+index), generation_config.json, the tokenizer, and with --adapter: adapter/ (peft adapter_model.
+safetensors + adapter_config.json, plus trainable_norms.safetensors when norms were trained).
+
+examples:
+  python -m qerl.export --model Qwen/Qwen2.5-7B-Instruct --format nvfp4 --out exports/q7b-nvfp4 --device cuda
+  python -m qerl.export --model Qwen/Qwen2.5-7B-Instruct --adapter logs/run/version_0/adapter --out exports/rl
+  vllm serve exports/rl --enable-lora --lora-modules policy=exports/rl/adapter
+"""
+
+
+def _check_paths(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Refuse, before minutes of loading, an output that would clobber the input or an earlier export."""
+    out = Path(args.out).expanduser().resolve()
+    if Path(args.model).expanduser().exists() and Path(args.model).expanduser().resolve() in (out, *out.parents):
+        parser.error(f"--out {args.out} would overwrite the model being exported ({args.model})")
+    if out.is_file() or (out.is_dir() and any(out.iterdir()) and not args.overwrite):
+        parser.error(f"--out {args.out} exists and is not empty (pass --overwrite to replace an earlier export)")
+    if args.adapter and not (Path(args.adapter) / "adapter_config.json").is_file():
+        parser.error(f"--adapter {args.adapter}: no adapter_config.json there (a peft adapter directory)")
+    if args.adapter and args.format == "bf16" and not args.from_nvfp4:
+        log.warning("--format bf16 --adapter: the adapter was trained on the NVFP4 base; --from-nvfp4 exports "
+                    "that base (dequantized) instead of the original 16-bit weights")
+
+
 def main(argv: list[str] | None = None) -> Path:
-    parser = argparse.ArgumentParser(prog="python -m qerl.export", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m qerl.export", description=__doc__.split("\n\n")[0],
+                                     epilog=_CLI_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", required=True, help="tiny-qwen2 | tiny-llama | model dir | HF id | .gguf")
     parser.add_argument("--format", choices=["nvfp4", "bf16"], default="nvfp4")
-    parser.add_argument("--out", required=True, help="output directory")
+    parser.add_argument("--out", required=True, help="output directory (new or empty, or see --overwrite)")
+    parser.add_argument("--overwrite", action="store_true", help="replace the export already in --out")
     parser.add_argument("--adapter", default=None, help="peft adapter dir (written by export_adapter / save_pretrained)")
-    parser.add_argument("--dtype", default="bf16", help="dtype of the 16-bit tensors (bf16 | fp16)")
+    parser.add_argument("--dtype", default="bf16", choices=["bf16", "fp16"], help="dtype of the 16-bit tensors")
     parser.add_argument("--device", default="cpu", help="where to quantize (cuda is faster for big models)")
     parser.add_argument("--from-nvfp4", action="store_true",
                         help="with --format bf16: export the dequantized NVFP4 weights instead of the originals")
     parser.add_argument("--seed", type=int, default=0, help="seed of the tiny random models")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    _check_paths(parser, args)
     quantization = "nvfp4" if args.format == "nvfp4" or args.from_nvfp4 else "bf16"
-    model, tokenizer = load_policy(args.model, quantization, None, dtype=args.dtype, device=args.device, seed=args.seed)
+    try:
+        model, tokenizer = load_policy(args.model, quantization, None, dtype=args.dtype, device=args.device,
+                                       seed=args.seed)
+    except (OSError, ValueError) as err:  # unknown model path / id, unreadable GGUF
+        parser.error(f"cannot load --model {args.model}: {err}")
     if args.adapter:
         model = load_adapter(model, args.adapter)
+    shutil.rmtree(Path(args.out) / ADAPTER_SUBDIR, ignore_errors=True)  # never leave an earlier run's adapter
     export = export_nvfp4 if args.format == "nvfp4" else export_bf16
     out = export(model, tokenizer, args.out, dtype=args.dtype)
     print(out)

@@ -293,3 +293,35 @@ def test_cli(tmp_path):
         with model.disable_adapter():
             assert torch.equal(base(_ids()).logits, model(_ids()).logits)
         assert torch.equal(load_adapter(base, out / ADAPTER_SUBDIR)(_ids()).logits, model(_ids()).logits)
+
+
+def test_cli_refuses_to_clobber(tmp_path, capsys):
+    """An existing export, the model's own directory or a missing adapter stop the CLI before any
+    loading, with one line on stderr; --overwrite replaces an export and drops its stale adapter."""
+    src = export_bf16(*load_policy("tiny-qwen2", "bf16", None, dtype="bf16"), tmp_path / "src")
+    before = (src / "model.safetensors").read_bytes()
+    cases = [(["--out", str(src)], "would overwrite the model"),
+             (["--out", str(src / "sub")], "would overwrite the model"),
+             (["--out", str(tmp_path / "x"), "--adapter", str(tmp_path / "none")], "no adapter_config.json")]
+    for extra, message in cases:
+        with pytest.raises(SystemExit):
+            main(["--model", str(src), *extra])
+        assert message in capsys.readouterr().err
+    assert (src / "model.safetensors").read_bytes() == before
+    (tmp_path / "old" / ADAPTER_SUBDIR).mkdir(parents=True)
+    with pytest.raises(SystemExit):
+        main(["--model", str(src), "--out", str(tmp_path / "old")])
+    assert "--overwrite" in capsys.readouterr().err
+    main(["--model", str(src), "--out", str(tmp_path / "old"), "--overwrite"])
+    assert not (tmp_path / "old" / ADAPTER_SUBDIR).exists() and (tmp_path / "old" / "model.safetensors").exists()
+    with pytest.raises(SystemExit):
+        main(["--model", str(tmp_path / "missing-model"), "--out", str(tmp_path / "y")])
+    assert "cannot load --model" in capsys.readouterr().err
+
+
+def test_unshared_group_scales_are_refused(tmp_path):
+    model, tok = load_policy("tiny-qwen2", "nvfp4", None, dtype="bf16")
+    k = model.model.layers[0].self_attn.k_proj.weight
+    k.per_tensor_scale = k.per_tensor_scale * 2  # q/k/v no longer share one scale: vLLM would misdecode them
+    with pytest.raises(ValueError, match=r"q_proj,k_proj,v_proj\} have different per-tensor scales"):
+        export_nvfp4(model, tok, tmp_path)

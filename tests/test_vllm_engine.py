@@ -18,7 +18,7 @@ from qerl.model import LoraSettings, load_policy
 from qerl.rollout import SamplingSettings
 from qerl.rollout.vllm import (
     VLLMEngine, VLLMSettings, adapter_config, adapter_tensors, allowed_lora_rank, hf_to_vllm_norm_name,
-    outputs_to_generation, request_seed, sampling_params_kwargs,
+    outputs_to_generation, request_seed, sampling_params_kwargs, unexpected_lora_modules,
 )
 from qerl.tiny import build_tiny_model
 
@@ -115,14 +115,18 @@ class FakeLLM:
     def __init__(self, **kwargs):
         self.kwargs, self.calls, self.generated, self.loaded = kwargs, [], [], []
         self.model = build_tiny_model("qwen2", dtype=torch.bfloat16)
-        mgr = SimpleNamespace(max_position_embeddings=1024, vocab_size=128,
-                              _adapter_manager=SimpleNamespace(model=SimpleNamespace()),  # no mapper / skip prefixes
+        adapter_manager = SimpleNamespace(  # as vLLM's Qwen2: packed qkv / gate_up; no mapper / skip prefixes
+            model=SimpleNamespace(), supported_lora_modules=["qkv_proj", "o_proj", "gate_up_proj", "down_proj"],
+            packed_modules_mapping={"qkv_proj": ["q_proj", "k_proj", "v_proj"], "gate_up_proj": ["gate_proj", "up_proj"]})
+        mgr = SimpleNamespace(max_position_embeddings=1024, vocab_size=128, _adapter_manager=adapter_manager,
                               lora_config=SimpleNamespace(max_lora_rank=32, lora_dtype=torch.bfloat16),
                               _lora_model_cls=SimpleNamespace(from_lora_tensors=self._from_tensors),
                               _load_adapter=lambda req: pytest.fail("in-memory adapter went to the disk loader"))
         self.worker = SimpleNamespace(model_runner=SimpleNamespace(lora_manager=mgr))
         remove = lambda i: self.calls.append(f"remove_lora:{i}")  # noqa: E731
-        self.llm_engine = SimpleNamespace(add_lora=self._add_lora, remove_lora=remove)
+        self.llm_engine = SimpleNamespace(add_lora=self._add_lora, remove_lora=remove,
+                                          model_config=SimpleNamespace(max_model_len=kwargs.get("max_model_len") or 64))
+        torch.manual_seed(kwargs["seed"])  # as vLLM's worker does
         FakeLLM.instances.append(self)
 
     def _from_tensors(self, **kw):
@@ -258,6 +262,43 @@ def test_engine_greedy_repeats_prompts_and_trainable_norms(fake_vllm, tmp_path):
     assert gen.completion_ids == [[7, 2]] * 3 + [[8, 2]] * 3
 
 
+def test_unexpected_lora_modules_are_named():
+    expected = {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"}
+    names = ["base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight",
+             "base_model.model.model.layers.0.self_attn.q_proj.lora_B.weight",
+             "base_model.model.lm_head.lora_A.weight", "base_model.model.lm_head.lora_B.weight"]
+    assert unexpected_lora_modules(names, expected) == ["base_model.model.lm_head"]
+    assert unexpected_lora_modules(names[:2], expected) == []
+
+
+def test_adapter_on_a_module_vllm_skips_is_an_error(fake_vllm, tmp_path):
+    model, tok = _policy()
+    engine = VLLMEngine([tok.eos_token_id], VLLMSettings(export_dir=str(tmp_path)), tokenizer=tok)
+    engine.sync(model)  # q/k/v/o/gate/up/down: all applied by vLLM (packed or not)
+    fake_vllm[0].worker.model_runner.lora_manager._adapter_manager.supported_lora_modules = ["qkv_proj", "o_proj"]
+    with pytest.raises(ValueError, match=r"cannot apply LoRA to .*mlp\.down_proj"):
+        engine.sync(model)
+
+
+def test_engine_limits_rng_and_half_awake_sleep(fake_vllm, tmp_path):
+    model, tok = _policy()
+    engine = VLLMEngine([tok.eos_token_id], VLLMSettings(export_dir=str(tmp_path), max_model_len=16),
+                        tokenizer=tok, seed=7)
+    torch.manual_seed(123)
+    expected_draw = torch.rand(3, generator=torch.Generator().manual_seed(123))
+    engine.sync(model)  # the fake LLM reseeds torch's global generator like vLLM does
+    assert torch.equal(torch.rand(3), expected_draw)  # ... and the trainer's stream is back
+    llm = fake_vllm[0]
+    with pytest.raises(ValueError, match="max_model_len=16"):
+        engine.generate([[1] * 10], 1, SamplingSettings(max_new_tokens=8), seed=0)
+    assert "generate" not in llm.calls
+    engine.generate([[1] * 8], 1, SamplingSettings(max_new_tokens=8), seed=0)  # 8 + 8 fits
+    engine.sync(model)  # weights awake, KV cache asleep
+    llm.calls.clear()
+    engine.sleep()  # vLLM sleeps only from fully awake: wake the KV cache first
+    assert llm.calls == ["wake_up:kv_cache", "sleep:1"]
+
+
 def test_callback_makes_the_vllm_engine_lazily(fake_vllm):
     from callbacks.rollout import RolloutCallback
 
@@ -266,6 +307,22 @@ def test_callback_makes_the_vllm_engine_lazily(fake_vllm):
     engine = cb.make_engine(SimpleNamespace(tokenizer=tok, model=SimpleNamespace(generation_config=None)))
     assert isinstance(engine, VLLMEngine) and engine.llm is None and not fake_vllm  # nothing started yet
     assert engine.settings.gpu_memory_utilization == 0.2 and engine.seed == 3 and engine.stop_token_ids == [tok.eos_token_id]
+
+
+def test_callback_checks_the_vllm_setup_at_fit_start(monkeypatch):
+    from callbacks.rollout import RolloutCallback
+
+    trainer = SimpleNamespace(datamodule=SimpleNamespace(max_prompt_length=200))
+    cb = RolloutCallback(engine="vllm", sampling=SamplingSettings(max_new_tokens=100),
+                         vllm=VLLMSettings(max_model_len=256))
+    monkeypatch.delitem(sys.modules, "vllm", raising=False)
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None)
+    with pytest.raises(ModuleNotFoundError, match=r"pip install -e '\.\[vllm\]'"):
+        cb.on_fit_start(trainer, None)
+    monkeypatch.setitem(sys.modules, "vllm", types.ModuleType("vllm"))
+    with pytest.raises(ValueError, match="max_prompt_length=200 .* exceeds vllm.max_model_len=256"):
+        cb.on_fit_start(trainer, None)
+    assert cb.engine is None
 
 
 # ----------------------------------------------------------------------------- real vLLM (H200)

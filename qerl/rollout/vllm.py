@@ -20,7 +20,11 @@ Manual (``engine: vllm`` in ``RolloutCallback``, settings under ``vllm:`` = :cla
   ``generate`` with one ``SamplingParams`` per prompt → ``sleep(level=1)`` (every ``generate``
   call wakes and sleeps, so DAPO refill rounds work too). With
   ``adapter_via_disk`` the adapter goes through ``adapter_model.safetensors`` in tmpfs instead
-  (public API only; the fallback if the in-memory loader breaks on a vLLM upgrade).
+  (public API only), as it does automatically when the in-memory loader cannot be installed
+  (a vLLM whose private worker API moved; ``qerl/rollout/vllm_worker.py``). Either way an adapter
+  module vLLM would not apply (e.g. ``lm_head``) is an error, not a silently different policy.
+* **Limits.** prompt + ``max_new_tokens`` beyond vLLM's ``max_model_len`` is an error (vLLM would
+  refuse the prompt or cut the completion short); vLLM's start leaves the trainer's RNG as it was.
 * **Sampler log-probs.** vLLM's ``processed_logprobs`` are log softmax(logits / T) of the sampled
   token *after* top-k/top-p masking (renormalised over the kept tokens), the HF engine's are before
   truncation: they agree only with ``top_p=1, top_k=0`` (QeRL's setting); otherwise a warning is
@@ -39,6 +43,7 @@ Manual (``engine: vllm`` in ``RolloutCallback``, settings under ``vllm:`` = :cla
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -53,6 +58,8 @@ import torch
 from torch import nn
 
 from qerl.rollout.base import Generation, RolloutEngine, SamplingSettings
+from qerl.rollout.vllm_worker import (  # noqa: F401  (re-exported: the engine's in-vLLM half)
+    copy_norm_scales, expected_lora_modules, install_tensor_lora_loader, max_model_len, unexpected_lora_modules)
 
 log = logging.getLogger(__name__)
 
@@ -172,57 +179,23 @@ def outputs_to_generation(request_outputs) -> Generation:
     return gen
 
 
-# ----------------------------------------------------------------------------- run inside vLLM
-def install_tensor_lora_loader(worker, registry: dict[int, tuple[dict, dict]]) -> bool:
-    """Called on vLLM's worker (``collective_rpc``): wrap ``lora_manager._load_adapter`` so that an
-    id found in ``registry`` (id -> (tensors, peft config)) is built from memory. Mirrors 0.25's
-    ``WorkerLoRAManager._load_adapter`` (vllm/lora/worker_manager.py); other ids load as usual."""
-    mgr = worker.model_runner.lora_manager
-    if getattr(mgr, "_qerl_tensor_loader", False):
-        return True
-    original = mgr._load_adapter
+@contextlib.contextmanager
+def _rng_preserved():
+    """Restore Python's, NumPy's and torch's global generators afterwards (vLLM reseeds them)."""
+    import random
 
-    def _load_adapter(lora_request):
-        entry = registry.get(lora_request.lora_int_id)
-        if entry is None:
-            return original(lora_request)
-        from vllm.lora.peft_helper import PEFTHelper
+    import numpy as np
 
-        tensors, config = entry
-        helper = PEFTHelper.from_dict({**config, "vllm_max_position_embeddings": mgr.max_position_embeddings})
-        helper.validate_legal(mgr.lora_config)
-        model = mgr._adapter_manager.model
-        mapper = getattr(model, "hf_to_vllm_mapper", None)
-        lora = mgr._lora_model_cls.from_lora_tensors(
-            lora_model_id=lora_request.lora_int_id, tensors=tensors, peft_helper=helper, device="cpu",
-            dtype=mgr.lora_config.lora_dtype, model_vocab_size=mgr.vocab_size,
-            weights_mapper=mapper.get_unstacked_mapper() if mapper is not None else None,
-            skip_prefixes=getattr(model, "lora_skip_prefixes", None))
-        lora.is_3d_lora_weight = lora_request.is_3d_lora_weight
-        return lora
-
-    mgr._load_adapter = _load_adapter
-    mgr._qerl_tensor_loader = True
-    return True
-
-
-@torch.no_grad()
-def copy_norm_scales(model: nn.Module, scales: dict[str, torch.Tensor]) -> float:
-    """Called with vLLM's model (``apply_model``): ``param.data.copy_`` each scale (vLLM names) in
-    place, cast to the parameter dtype; returns the largest rounding error of that cast."""
-    params = dict(model.named_parameters())
-    missing = [n for n in scales if n not in params]
-    if missing:
-        raise KeyError(f"vLLM's model has no parameters {missing[:3]}; e.g. {list(params)[:3]}")
-    err = torch.zeros((), dtype=torch.float32)
-    for name, value in scales.items():
-        p = params[name]
-        if p.shape != value.shape:
-            raise ValueError(f"{name}: vLLM shape {tuple(p.shape)} != {tuple(value.shape)}")
-        src = value.detach().to(p.device, torch.float32)
-        p.data.copy_(src)
-        err = torch.maximum(err, (p.data.float() - src).abs().max().cpu())
-    return float(err)
+    state = (random.getstate(), np.random.get_state(), torch.random.get_rng_state(),
+             torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None)
+    try:
+        yield
+    finally:
+        random.setstate(state[0])
+        np.random.set_state(state[1])
+        torch.random.set_rng_state(state[2])
+        if state[3] is not None:
+            torch.cuda.set_rng_state_all(state[3])
 
 
 # ----------------------------------------------------------------------------- the engine
@@ -246,6 +219,7 @@ class VLLMEngine(RolloutEngine):
         self._adapters: dict[int, tuple[dict, dict]] = {}  # read by the loader inside vLLM
         self._lora_id, self._lora_request = 0, None
         self._asleep: set[str] = set()
+        self._use_disk = self.settings.adapter_via_disk
         self._warned_truncation = False
         self._warned_rounding = False
         self.norm_cast_error = 0.0
@@ -273,8 +247,8 @@ class VLLMEngine(RolloutEngine):
         import vllm
 
         s = self.settings
+        rank = adapter_config(model)["r"]  # a policy without LoRA fails here, before minutes of export
         self.export_dir = self._export(model)
-        rank = adapter_config(model)["r"]
         kwargs: dict[str, Any] = dict(
             model=str(self.export_dir), dtype="bfloat16", enable_lora=True, max_loras=1,
             max_lora_rank=allowed_lora_rank(max(s.max_lora_rank, rank)), seed=self.seed,
@@ -283,9 +257,16 @@ class VLLMEngine(RolloutEngine):
         if torch.distributed.is_available() and torch.distributed.is_initialized():
             kwargs["distributed_executor_backend"] = "external_launcher"  # as TRL does under DDP
         kwargs.update(s.llm_kwargs)
-        self.llm = vllm.LLM(**kwargs)
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()  # vLLM sizes its share from the free memory it sees at start
+        with _rng_preserved():  # vLLM seeds the process-global generators with its own seed
+            self.llm = vllm.LLM(**kwargs)
         if not s.adapter_via_disk:
-            self.llm.collective_rpc(install_tensor_lora_loader, args=(self._adapters,))
+            try:
+                self.llm.collective_rpc(install_tensor_lora_loader, args=(self._adapters,))
+            except AttributeError as err:  # vLLM's private worker API moved: fall back to files in tmpfs
+                log.warning("in-memory LoRA loader unavailable on this vLLM (%s): adapters go through tmpfs", err)
+                self._use_disk = True
 
     def wake(self, tags: list[str] | None = None) -> None:
         todo = [t for t in (tags or ["weights", "kv_cache"]) if t in self._asleep]
@@ -296,9 +277,11 @@ class VLLMEngine(RolloutEngine):
             self._asleep -= set(todo)
 
     def sleep(self) -> None:
-        if self.llm is not None and self.settings.sleep and not self._asleep:
-            self.llm.sleep(level=1)  # level 1 keeps the base on the host; level 2 would drop it
-            self._asleep = {"weights", "kv_cache"}
+        if self.llm is None or not self.settings.sleep or self._asleep == {"weights", "kv_cache"}:
+            return
+        self.wake()  # half awake (after sync, before generate): vLLM sleeps only from fully awake
+        self.llm.sleep(level=1)  # level 1 keeps the base on the host; level 2 would drop it
+        self._asleep = {"weights", "kv_cache"}
 
     # -- per step
     def _push_adapter(self, model: nn.Module) -> None:
@@ -309,7 +292,7 @@ class VLLMEngine(RolloutEngine):
             raise ValueError("the vLLM engine needs a peft LoRA policy (no lora_A/lora_B tensors found)")
         previous, self._lora_id = self._lora_id, self._lora_id + 1
         name, path = f"qerl-policy-{self._lora_id}", IN_MEMORY_PATH
-        if self.settings.adapter_via_disk:
+        if self._use_disk:
             path = str(self._write_adapter(tensors, config))
         else:
             self._adapters.clear()
@@ -339,10 +322,10 @@ class VLLMEngine(RolloutEngine):
         if scales:
             self.norm_cast_error = max(self.llm.apply_model(lambda m: copy_norm_scales(m, scales)))
             if norm_scales and self.norm_cast_error > 0 and not self._warned_rounding:
-                log.warning("vLLM keeps norms in bf16: the noisy norm scales were rounded to nearest (largest "
-                            "change %.2g), which erases noise below half a bf16 step; set "
-                            "AQNCallback(scale_precision='bf16') to round them stochastically in the trainer, "
-                            "so vLLM runs exactly the trainer's noisy model", self.norm_cast_error)
+                log.warning("vLLM keeps norms in bf16: the norm scales were rounded to nearest (largest change "
+                            "%.2g), which erases AQN noise below half a bf16 step; with fp32 noisy scales set "
+                            "AQNCallback(scale_precision='bf16') (stochastic rounding in the trainer), and keep "
+                            "trainable norms in bf16", self.norm_cast_error)
                 self._warned_rounding = True
 
     def sync(self, model: nn.Module, norm_scales: dict[str, torch.Tensor] | None = None) -> None:
@@ -366,6 +349,13 @@ class VLLMEngine(RolloutEngine):
         if sampling.temperature > 0 and (sampling.top_p < 1 or sampling.top_k > 0) and not self._warned_truncation:
             log.warning("vLLM's sampler log-probs are renormalised after top-p/top-k; the HF engine's are not")
             self._warned_truncation = True
+        limit = max_model_len(self.llm)
+        longest = max((len(p) for p in prompt_ids), default=0)
+        if limit is not None and longest + sampling.max_new_tokens > limit:
+            # vLLM would refuse the prompt mid-step, or cut the completion short of max_new_tokens
+            raise ValueError(f"a prompt of {longest} tokens + max_new_tokens={sampling.max_new_tokens} exceeds "
+                             f"vLLM's max_model_len={limit}: raise vllm.max_model_len or lower "
+                             "data.max_prompt_length / sampling.max_new_tokens")
         start = time.perf_counter()
         self.wake(["weights", "kv_cache"])
         kw = sampling_params_kwargs(sampling, n, seed)
