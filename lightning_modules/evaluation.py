@@ -40,8 +40,8 @@ class EvaluationMixin:
         return list(names) if names else ["default"]
 
     def _start_eval(self, stage: str) -> None:
-        k = self.eval_settings.samples
-        self._eval_metrics = {name: PassAtK(k).to(self.device) for name in self._dataset_names(stage)}
+        s = self.eval_settings
+        self._eval_metrics = {name: PassAtK(s.samples, s.pass_k).to(self.device) for name in self._dataset_names(stage)}
         self._eval_records = {name: [] for name in self._eval_metrics}
 
     def _eval_step(self, batch: dict, batch_idx: int, dataloader_idx: int, stage: str) -> None:
@@ -94,7 +94,8 @@ class EvaluationMixin:
         with open(stem + ".json", "w") as f:
             json.dump({"stage": stage, "global_step": self.trainer.global_step, "model": self.model_name,
                        "quantization": self.quantization, "use_adapter": s.use_adapter,
-                       "max_new_tokens": s.max_new_tokens, "samples": s.samples, "metrics": results,
+                       "max_new_tokens": s.max_new_tokens, "samples": s.samples, "temperature": s.temperature,
+                       "top_p": s.top_p, "adapter_path": getattr(self, "adapter_path", None), "metrics": results,
                        "completions": self._eval_records}, f, indent=1)
         keys = sorted({k for v in results.values() for k in v if k != "problems"})
         lines = [f"| dataset | problems | {' | '.join(keys)} |", "|---|---|" + "---|" * len(keys)]
@@ -102,7 +103,8 @@ class EvaluationMixin:
             lines.append(f"| {name} | {values['problems']} | " + " | ".join(f"{100 * values[k]:.1f}%" for k in keys) + " |")
         with open(stem + ".md", "w") as f:
             f.write(f"{self.model_name} ({self.quantization}, adapter={'on' if s.use_adapter else 'off'}), "
-                    f"step {self.trainer.global_step}\n\n" + "\n".join(lines) + "\n")
+                    f"step {self.trainer.global_step}; pass@1 is greedy, mean@n and pass@k from n = {s.samples} "
+                    f"samples at T = {s.temperature}, top-p {s.top_p}\n\n" + "\n".join(lines) + "\n")
 
     # Lightning hooks
     def on_validation_epoch_start(self) -> None:

@@ -98,7 +98,9 @@ class EvalSettings:
     """Evaluation (validate / test / periodic validation during fit). AQN noise is never applied.
 
     Args:
-        samples: sampled completions per problem for mean@k and pass@k (0 = greedy pass@1 only).
+        samples: sampled completions per problem, n, for mean@n and pass@k (0 = greedy pass@1 only).
+        pass_k: the k of the reported pass@k, 2 <= k <= samples (default: [samples]); unbiased
+            estimator from n samples. ``pass@1`` is always the greedy accuracy.
         temperature: sampling temperature of those samples (the paper evaluates at 0.6).
         top_p: nucleus mass of those samples (paper: 0.95).
         max_new_tokens: completion cap for every evaluation completion.
@@ -107,6 +109,7 @@ class EvalSettings:
     """
 
     samples: int = 0
+    pass_k: list[int] | None = None
     temperature: float = 0.6
     top_p: float = 0.95
     max_new_tokens: int = 1024

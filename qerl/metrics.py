@@ -11,6 +11,8 @@ computed as a stable product. ``mean@k`` is the mean accuracy of the k samples (
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 from torchmetrics import Metric
 
@@ -29,36 +31,45 @@ def pass_at_k(n: int, c: int, k: int) -> float:
 
 
 class PassAtK(Metric):
-    """Accumulates per-problem correctness and reports pass@1 (greedy), mean@k and pass@k (sampled).
+    """Accumulates per-problem correctness and reports ``pass@1`` (greedy), ``mean@n`` (the mean
+    accuracy of the n samples) and ``pass@k`` (unbiased estimator from n samples) for each k.
 
     Args:
-        k: samples per problem for the sampled metrics (0 = greedy only).
+        k: samples per problem, n (0 = greedy only).
+        pass_k: the k of the reported pass@k, each 2 <= k <= n (default: n alone). Sampled pass@1
+            is mean@n, so it is never reported under ``pass@1``, which stays the greedy number.
     """
 
     full_state_update = False
 
-    def __init__(self, k: int = 0):
+    def __init__(self, k: int = 0, pass_k: Sequence[int] | None = None):
         super().__init__()
         self.k = k
+        self.pass_k = sorted({int(x) for x in (pass_k if pass_k is not None else [k])} - {1}) if k > 0 else []
+        bad = [x for x in self.pass_k if not 2 <= x <= k]
+        if bad:
+            raise ValueError(f"pass@k needs 2 <= k <= samples ({k}); got k = {bad}")
         self.add_state("greedy_correct", default=torch.tensor(0.0), dist_reduce_fx="sum")
         self.add_state("sampled_mean", default=torch.tensor(0.0), dist_reduce_fx="sum")
-        self.add_state("sampled_pass", default=torch.tensor(0.0), dist_reduce_fx="sum")
+        self.add_state("sampled_pass", default=torch.zeros(len(self.pass_k)), dist_reduce_fx="sum")
         self.add_state("problems", default=torch.tensor(0.0), dist_reduce_fx="sum")
 
     def update(self, greedy_correct: torch.Tensor, sampled_correct: torch.Tensor | None = None) -> None:
-        """``greedy_correct``: (P,) 0/1; ``sampled_correct``: (P, k) 0/1, or None when k = 0."""
+        """``greedy_correct``: (P,) 0/1; ``sampled_correct``: (P, n) 0/1, or None when n = 0."""
         self.greedy_correct += greedy_correct.float().sum()
         self.problems += greedy_correct.numel()
         if sampled_correct is not None and self.k > 0:
             n = sampled_correct.shape[1]
             c = sampled_correct.float().sum(1)
             self.sampled_mean += (c / n).sum()
-            self.sampled_pass += sum(pass_at_k(n, int(ci), self.k) for ci in c.tolist())
+            for j, k in enumerate(self.pass_k):
+                self.sampled_pass[j] += sum(pass_at_k(n, int(ci), k) for ci in c.tolist())
 
     def compute(self) -> dict[str, torch.Tensor]:
         p = self.problems.clamp(min=1)
         out = {"pass@1": self.greedy_correct / p}
         if self.k > 0:
             out[f"mean@{self.k}"] = self.sampled_mean / p
-            out[f"pass@{self.k}"] = self.sampled_pass / p
+            for j, k in enumerate(self.pass_k):
+                out[f"pass@{k}"] = self.sampled_pass[j] / p
         return out

@@ -44,11 +44,16 @@ def _eps(module: nn.Module) -> float | None:
 
 
 def _rmsnorm(module: nn.Module, hidden_states: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
-    """HF RMSNorm with scale ``weight.float() + noise``, all in fp32, cast back at the end."""
+    """HF RMSNorm with scale ``weight.float() + noise`` applied in fp32, cast back once at the end.
+
+    The normalised input is rounded to the input dtype first, as HF's norm does before its
+    ``weight * h``: the product of two bf16 numbers is exact in fp32, so with zero noise this is
+    bit-identical to HF's bf16 output, and a small sigma changes the outputs by the noise only,
+    not by a different rounding path."""
     input_dtype = hidden_states.dtype
     h = hidden_states.to(torch.float32)
     variance = h.pow(2).mean(-1, keepdim=True)
-    h = h * torch.rsqrt(variance + module.aqn_eps)
+    h = (h * torch.rsqrt(variance + module.aqn_eps)).to(input_dtype).float()
     out = h * (module.weight.float() + noise.to(h.device))
     return out.to(torch.promote_types(module.weight.dtype, input_dtype))
 

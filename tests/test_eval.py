@@ -50,6 +50,22 @@ def test_metric_over_hand_made_completions():
     assert out["pass@2"] == pytest.approx((5 / 6 + 0 + 1) / 3)
 
 
+def test_pass_at_1_stays_greedy_and_pass_k_from_more_samples():
+    greedy_ok = torch.tensor([1, 1, 0])
+    one = PassAtK(k=1)  # one sample: sampled pass@1 would be mean@1, it must not replace greedy pass@1
+    one.update(greedy_ok, torch.tensor([[0], [0], [1]]))
+    out = {k: float(v) for k, v in one.compute().items()}
+    assert out == {"pass@1": pytest.approx(2 / 3), "mean@1": pytest.approx(1 / 3)}
+    many = PassAtK(k=4, pass_k=[2, 4])
+    many.update(greedy_ok, torch.tensor([[1, 1, 0, 0], [0, 0, 0, 0], [1, 1, 1, 0]]))
+    out = {k: float(v) for k, v in many.compute().items()}
+    # n = 4: c = 2 -> pass@2 = 5/6, pass@4 = 1; c = 0 -> 0; c = 3 -> pass@2 = 1 - 0 = 1, pass@4 = 1
+    assert out["pass@2"] == pytest.approx((5 / 6 + 0 + 1) / 3) and out["pass@4"] == pytest.approx(2 / 3)
+    assert out["pass@1"] == pytest.approx(2 / 3) and out["mean@4"] == pytest.approx((0.5 + 0 + 0.75) / 3)
+    with pytest.raises(ValueError, match="2 <= k <= samples"):
+        PassAtK(k=4, pass_k=[8])
+
+
 def test_validate_on_quickstart_logs_pass_at_1_and_writes_report(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     cli = main(["validate", *fast_args(tmp_path, 2)])
