@@ -12,11 +12,15 @@ mismatch. Noise is always off for the reference (KL) pass and for validation/tes
 
 from __future__ import annotations
 
+import logging
+import math
 from typing import Literal
 
 import lightning as L
 
 from qerl.aqn import ExponentialSchedule, MonitorState, NoiseController, attach_noisy_norms
+
+log = logging.getLogger(__name__)
 
 
 class AQNCallback(L.Callback):
@@ -58,6 +62,11 @@ class AQNCallback(L.Callback):
             pl_module.noisy_norms = attach_noisy_norms(pl_module.model, self.module_names)
         pl_module.aqn_apply_to = self.apply_to
         self.monitor.max_steps = max(1, trainer.max_steps)
+        stages = getattr(self.controller, "num_stages", None) or getattr(getattr(self.controller, "base", None), "num_stages", None)
+        if stages and trainer.max_steps < stages and getattr(self.controller, "max_steps", None) is None:
+            log.warning("AQN: trainer.max_steps=%s is below the schedule's %d stages (or unset): every step is its "
+                        "own stage and sigma_end is not reached; set trainer.max_steps or the controller's "
+                        "max_steps", trainer.max_steps, stages)
 
     def prepare_step(self, trainer, pl_module) -> None:
         """Set σ for the current global step (idempotent; the RolloutCallback calls it first)."""
@@ -72,7 +81,8 @@ class AQNCallback(L.Callback):
             "aqn/stage": float(self.controller.stage(step)),
             "aqn/fraction_changed": pl_module.noisy_norms.fraction_changed(),
         }
-        metrics.update({f"aqn/{k}": float(v) for k, v in self.controller.last_decision.items()})
+        metrics.update({f"aqn/{k}": float(v) for k, v in self.controller.last_decision.items()
+                        if not math.isnan(float(v))})  # moving averages: absent until their window fills
         pl_module.log_dict(metrics, on_step=True, on_epoch=False, batch_size=1)
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:

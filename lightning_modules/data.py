@@ -188,6 +188,10 @@ class PromptDataModule(L.LightningDataModule):
 
     def setup(self, stage: str | None = None) -> None:
         """Load the raw examples the stage needs (``fit``: train + val; ``validate``; ``test``)."""
+        for wanted, sources, key in (("validate", self.val_sources, "val_sources"), ("test", self.test_sources, "test_sources")):
+            if stage == wanted and not sources:  # Lightning would run zero batches and exit 0
+                raise ValueError(f"train.py {wanted} needs evaluation sets: set data.{key}, e.g. "
+                                 f"{{gsm8k: data/gsm8k/test.jsonl, math500: data/math500/test.jsonl}}")
         if stage in (None, "fit"):
             self._load("train", "train")
         if stage in (None, "fit", "validate"):

@@ -1,8 +1,9 @@
 """Evaluation hooks of QeRLModule: pass@1 (greedy) and mean@k / pass@k (sampled) per dataset.
 
 Used by ``python train.py validate|test --config X`` and by periodic validation during ``fit``
-(``trainer.val_check_interval``). Completions come from the same rollout engine code and are
-scored by the same math-verify reward as training. AQN noise is off (the AQNCallback disables it
+(``trainer.val_check_interval``). Completions come from the embedded rollout engine (``HFEngine``,
+also when training rolls out in vLLM: the policy's own kernels, static cache + CUDA graphs on GPU)
+and are scored by the same math-verify reward as training. AQN noise is off (the AQNCallback disables it
 for validation and test). Per run and stage, a JSON with every completion and a markdown table of
 the metrics are written to ``<log_dir>/eval/<stage>_step<global_step>.{json,md}``.
 """

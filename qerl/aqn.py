@@ -139,6 +139,12 @@ class StagedSchedule(NoiseController):
 class ExponentialSchedule(StagedSchedule):
     """The paper's default (Eq. 8): sigma_k = sigma_start * (sigma_end / sigma_start) ** t."""
 
+    def __init__(self, sigma_start: float = 1e-2, sigma_end: float = 5e-4, num_stages: int = 10,
+                 max_steps: int | None = None, reach_end: bool = True) -> None:
+        if sigma_start <= 0 or sigma_end <= 0:  # geometric: use LinearSchedule to decay to 0
+            raise ValueError(f"ExponentialSchedule needs sigma_start, sigma_end > 0, got {sigma_start}, {sigma_end}")
+        super().__init__(sigma_start, sigma_end, num_stages, max_steps, reach_end)
+
     def _shape(self, t: float) -> float:
         return self.sigma_start * (self.sigma_end / self.sigma_start) ** t
 

@@ -87,6 +87,12 @@ def test_constant_and_no_noise():
     assert NoNoise().sigma(5) == 0.0 and ConstantNoise(3e-3).sigma(123) == 3e-3
 
 
+def test_exponential_needs_positive_endpoints_and_linear_may_reach_zero():
+    with pytest.raises(ValueError, match="sigma_start, sigma_end > 0"):
+        ExponentialSchedule(sigma_start=0.0)
+    assert LinearSchedule(1e-2, 0.0, num_stages=4, max_steps=8).sigma(7) == 0.0
+
+
 @pytest.mark.parametrize("relative", [True, False])
 def test_oscillating_reheats_at_configured_steps(relative):
     amp = 1.0 if relative else 4e-3

@@ -79,11 +79,54 @@ def test_validate_on_quickstart_logs_pass_at_1_and_writes_report(tmp_path, monke
     assert (Path(cli.trainer.log_dir) / "eval" / "val_step0.md").read_text().count("| arithmetic | 8 |") == 1
 
 
-def test_periodic_validation_during_fit_reaches_tensorboard(tmp_path, monkeypatch):
+def _record_eval_generations(monkeypatch) -> list[dict]:
+    """Wrap the evaluation engine's generate: per call, was AQN noise active and was LoRA on?"""
+    from peft.tuners.lora import LoraLayer
+
+    from qerl.rollout.hf import HFEngine
+
+    seen, original = [], HFEngine.generate
+
+    def generate(self, prompt_ids, n, sampling, seed):
+        model = self.model
+        lora = [m for m in model.modules() if isinstance(m, LoraLayer)]
+        norms = [m for m in model.modules() if hasattr(m, "aqn_active")]
+        seen.append({"noise": any(m.aqn_active for m in norms), "noisy_norms": len(norms),
+                     "sigma": max((float(m.aqn_noise.abs().max()) for m in norms), default=0.0),
+                     "lora_on": bool(lora) and not any(m.disable_adapters for m in lora)})
+        return original(self, prompt_ids, n, sampling, seed)
+
+    monkeypatch.setattr(HFEngine, "generate", generate)
+    return seen
+
+
+def test_periodic_validation_during_fit_reaches_tensorboard_without_noise(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    main(["fit", *fast_args(tmp_path, 2), "--trainer.val_check_interval=2"])
+    seen = _record_eval_generations(monkeypatch)
+    cli = main(["fit", *fast_args(tmp_path, 3), "--trainer.val_check_interval=2"])
     values, _ = scalars(f"{tmp_path}/logs")
     assert "val/arithmetic/pass@1" in values
+    evals = [g for g in seen if not g["noise"]]
+    train_rollouts = [g for g in seen if g["noise"]]
+    assert train_rollouts, "AQN should be on for the training rollouts of steps >= 1"
+    # validation ran after step 2 with noise of the last draw in place, but never active
+    assert len(evals) >= 2 and all(g["noisy_norms"] > 0 and g["sigma"] > 0 for g in evals[-2:])
+    assert cli.model.noisy_norms.sigma > 0
+
+
+def test_test_stage_and_base_model_evaluation(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    seen = _record_eval_generations(monkeypatch)
+    cli = main(["test", *fast_args(tmp_path / "a", 2), "--model.eval.use_adapter=false"])
+    assert math.isfinite(float(cli.trainer.callback_metrics["test/arithmetic/pass@1"]))
+    assert seen and not any(g["lora_on"] for g in seen)  # the "before" row: adapter off
+    report = Path(cli.trainer.log_dir) / "eval" / "test_step0.md"
+    assert "adapter=off" in report.read_text()
+    seen.clear()
+    main(["test", *fast_args(tmp_path / "b", 2)])
+    assert seen and all(g["lora_on"] for g in seen)
+    with pytest.raises(ValueError, match="needs evaluation sets: set data.test_sources"):
+        main(["test", *fast_args(tmp_path / "c", 2), "--data.test_sources=null"])
 
 
 @pytest.mark.parametrize("quantization", ["nf4", "nvfp4", "bf16"])
