@@ -77,7 +77,12 @@ def main():
         os.makedirs(os.path.dirname(args.out), exist_ok=True)
         with open(args.out, "w") as f:  # after every arm: a timeout keeps what finished
             json.dump({"model": os.path.basename(model_name), "device": torch.cuda.get_device_name()
-                       if torch.cuda.is_available() else "cpu", "rows": rows}, f, indent=1)
+                       if torch.cuda.is_available() else "cpu", "rows": rows,
+                       "meta": {"command": "python " + " ".join(sys.argv), "torch": torch.__version__,
+                                "date": time.strftime("%Y-%m-%d"),
+                                "notes": "greedy pass@1, math-verify, default \\boxed{} system prompt, embedded hf "
+                                         "engine (static cache + CUDA graphs on GPU), no adapter, no AQN"}},
+                      f, indent=1)
     print("\n| arm | pass@1 | problems | wall s |\n|---|---|---|---|")
     for r in rows:
         print(f"| {r['arm']} | {100 * r['pass@1']:.1f}% | {r['problems']} | {r['wall_s']} |")

@@ -8,6 +8,7 @@
 #   bash benchmarks/h200_vllm.sh parity gputest   # benchmarks/vllm_parity.py + the vLLM GPU test
 #   bash benchmarks/h200_vllm.sh fit              # a short GRPO fit through train.py with engine: vllm
 #   bash benchmarks/h200_vllm.sh bench            # benchmarks/rollout_vllm.py (7B shape, nvfp4 vs bf16)
+#   bash benchmarks/h200_vllm.sh eval             # benchmarks/eval_base.py: GSM8K pass@1 of the three arms
 # Logs and JSON land in $OUT (the device tool's return folder) or /tmp/out.
 set -u
 OUT=${OUT:-/tmp/out}
@@ -39,8 +40,13 @@ for stage in "$@"; do
       grep -v "^INFO\|^DEBUG" "$OUT"/parity.log | tail -25
       ;;
     gputest)
-      timeout 150 python3 -m pytest -q -x -m gpu tests/test_vllm_engine.py > "$OUT"/gputest.log 2>&1
+      timeout 300 python3 -m pytest -q -m gpu tests/test_vllm_engine.py tests/test_rollout_hf.py > "$OUT"/gputest.log 2>&1
       echo "gputest exit $?"; tail -5 "$OUT"/gputest.log
+      ;;
+    eval)  # issue #7's base-model rows: GSM8K test, greedy, three arms (needs the deps bundle for nf4)
+      timeout 560 python3 benchmarks/eval_base.py --model $TESTBED --data data/gsm8k/test.jsonl --arms bf16,nvfp4,nf4 \
+        --out "$OUT"/eval_base_h200.json > "$OUT"/eval.log 2>&1
+      echo "eval exit $?"; grep -v "^INFO\|^DEBUG" "$OUT"/eval.log | tail -12
       ;;
     fit)
       rm -rf logs/fit_vllm
