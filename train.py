@@ -1,6 +1,10 @@
 """Entry point: ``python train.py fit --config configs/quickstart.yaml`` (also validate / test,
 ``--print_config``, ``--ckpt_path last``). LightningCLI only: every knob lives in the YAML."""
 
+import logging
+import os
+import sys
+
 from lightning.pytorch.cli import LightningCLI
 
 from lightning_modules.data import PromptDataModule
@@ -8,6 +12,15 @@ from lightning_modules.qerl_module import QeRLModule
 
 
 def main(args=None, run: bool = True) -> LightningCLI:
+    # our INFO lines (base weight bytes and trainable parameters, data set sizes, vLLM start) on stderr
+    for name in ("qerl", "lightning_modules", "callbacks"):
+        logger = logging.getLogger(name)
+        if not logger.handlers:
+            handler = logging.StreamHandler()
+            handler.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
+            logger.addHandler(handler)
+            logger.setLevel(logging.INFO)
+            logger.propagate = False
     return LightningCLI(
         QeRLModule,
         PromptDataModule,
@@ -17,5 +30,17 @@ def main(args=None, run: bool = True) -> LightningCLI:
     )
 
 
+def cli_entry() -> None:
+    """``main()`` for the shell: a bad value, a missing file or an unknown model path is one line on
+    stderr (exit 2) instead of a long traceback; ``QERL_TRACEBACK=1`` shows the traceback."""
+    try:
+        main()
+    except (ValueError, FileNotFoundError, ModuleNotFoundError) as err:
+        if os.environ.get("QERL_TRACEBACK", "0") == "1":
+            raise
+        print(f"error: {type(err).__name__}: {err}  (QERL_TRACEBACK=1 shows the traceback)", file=sys.stderr)
+        sys.exit(2)
+
+
 if __name__ == "__main__":
-    main()
+    cli_entry()

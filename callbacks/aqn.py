@@ -18,6 +18,7 @@ from typing import Literal
 
 import lightning as L
 
+from qerl.seeding import resolve_seed
 from qerl.aqn import ExponentialSchedule, MonitorState, NoiseController, attach_noisy_norms
 
 log = logging.getLogger(__name__)
@@ -31,7 +32,8 @@ class AQNCallback(L.Callback):
             exponential schedule, 10 stages, 1e-2 → 5e-4).
         apply_to: rollout (generation only, as in the paper; needs TIS) or both (rollout and training).
         module_names: norms that receive noise, matched by the end of their module name.
-        seed: noise seed; the draw for a step depends only on (seed, global_step).
+        seed: noise seed; the draw for a step depends only on (seed, global_step); null: the run's
+            ``seed_everything``.
         history: how many recent steps of reward/entropy the controller sees.
         scale_precision: fp32 (the noisy scale w + Z as drawn; right for the hf engine) or bf16 (w + Z
             stochastically rounded to bf16, unbiased): use bf16 with ``engine: vllm``, which keeps
@@ -43,14 +45,14 @@ class AQNCallback(L.Callback):
         controller: NoiseController | None = None,
         apply_to: Literal["rollout", "both"] = "both",
         module_names: list[str] | None = None,
-        seed: int = 0,
+        seed: int | None = None,
         history: int = 200,
         scale_precision: Literal["fp32", "bf16"] = "fp32",
     ):
         self.controller = controller if controller is not None else ExponentialSchedule()
         self.apply_to = apply_to
         self.module_names = module_names or ["input_layernorm", "post_attention_layernorm"]
-        self.seed = seed
+        self.seed = resolve_seed(seed)
         self.history = history
         self.scale_precision = scale_precision
         self.monitor = MonitorState()

@@ -23,6 +23,7 @@ from lightning.pytorch.loggers import TensorBoardLogger
 from qerl.losses import groups_with_signal, overlong_penalty
 from qerl.rewards import MathAccuracy, RewardFunction, extract_answer
 from qerl.rollout import Rollout, RolloutEngine, SamplingSettings, pad_left, pad_right, stop_token_ids
+from qerl.seeding import resolve_seed
 from qerl.rollout.vllm import VLLMSettings  # settings only: vllm itself is imported when the engine starts
 
 
@@ -43,7 +44,7 @@ class RolloutCallback(L.Callback):
         overlong_penalty: the penalty reached at max_new_tokens.
         log_completions_every_n_steps: how often to write the completions table (0 = never).
         num_completions_to_log: rows in that table.
-        seed: base seed of the sampler (combined with the global step).
+        seed: base seed of the sampler (combined with the global step); null: the run's ``seed_everything``.
         vllm: settings of the vllm engine (GPU memory share, LoRA slot rank, sleep mode, export
             directory...; see ``qerl.rollout.vllm.VLLMSettings``); ignored by the hf engine.
     """
@@ -62,12 +63,18 @@ class RolloutCallback(L.Callback):
         overlong_penalty: float = 1.0,
         log_completions_every_n_steps: int = 10,
         num_completions_to_log: int = 4,
-        seed: int = 0,
+        seed: int | None = None,
         vllm: VLLMSettings | None = None,
     ):
+        if group_size < 1 or max_batch_size < 1 or max_refill_rounds < 0:
+            raise ValueError("RolloutCallback: group_size and max_batch_size must be >= 1, max_refill_rounds >= 0")
+        sampling = sampling or SamplingSettings()
+        if not 0 <= overlong_buffer <= sampling.max_new_tokens:
+            raise ValueError(f"RolloutCallback: overlong_buffer must be in [0, sampling.max_new_tokens="
+                             f"{sampling.max_new_tokens}], got {overlong_buffer}")
         self.reward = reward or MathAccuracy()
         self.group_size = group_size
-        self.sampling = sampling or SamplingSettings()
+        self.sampling = sampling
         self.engine_name = engine
         self.max_batch_size = max_batch_size
         self.cuda_graphs = cuda_graphs
@@ -77,7 +84,7 @@ class RolloutCallback(L.Callback):
         self.overlong_penalty = overlong_penalty
         self.log_every = log_completions_every_n_steps
         self.num_to_log = num_completions_to_log
-        self.seed = seed
+        self.seed = resolve_seed(seed)
         self.vllm = vllm or VLLMSettings()
         self.engine: RolloutEngine | None = None  # never an nn.Module attribute: not moved, not checkpointed
 

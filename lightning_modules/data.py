@@ -52,6 +52,7 @@ from lightning_modules.prompt_stream import (  # noqa: F401  (BATCH_KEYS, epoch_
     collate_examples,
     epoch_permutation,
 )
+from qerl.seeding import resolve_seed
 from qerl.data import (
     DEFAULT_SYSTEM_PROMPT,
     Layout,
@@ -89,7 +90,8 @@ class PromptDataModule(L.LightningDataModule):
         num_train_examples: Use only the first N usable training rows (None: all).
         num_val_examples: Use only the first N usable rows of each val/test set (None: all).
         val_prompts_per_batch: Prompts per validation/test batch (None: ``prompts_per_step``).
-        seed: Seed of the training order (epoch ``e`` uses the permutation of ``(seed, e)``).
+        seed: Seed of the training order (epoch ``e`` uses the permutation of ``(seed, e)``);
+            null: the run's ``seed_everything``.
         num_workers: DataLoader worker processes (0: load in the main process).
         tokenizer_name_or_path: Tokenizer to load here (HF id or path; ``tiny-qwen2`` /
             ``tiny-llama`` for the built-in tiny one). None: use the model's tokenizer, given by
@@ -112,7 +114,7 @@ class PromptDataModule(L.LightningDataModule):
         num_train_examples: int | None = None,
         num_val_examples: int | None = None,
         val_prompts_per_batch: int | None = None,
-        seed: int = 0,
+        seed: int | None = None,
         num_workers: int = 0,
         tokenizer_name_or_path: str | None = None,
     ):
@@ -136,7 +138,7 @@ class PromptDataModule(L.LightningDataModule):
         self.num_train_examples = num_train_examples
         self.num_val_examples = num_val_examples
         self.val_prompts_per_batch = val_prompts_per_batch or prompts_per_step
-        self.seed = seed
+        self.seed = resolve_seed(seed)
         self.num_workers = num_workers
         self.tokenizer_name_or_path = tokenizer_name_or_path
 

@@ -36,6 +36,7 @@ from qerl.losses import truncated_is_weights
 from lightning_modules.evaluation import EvaluationMixin
 from qerl.model import LoraSettings, load_policy, load_tokenizer
 from qerl.rollout import Rollout
+from qerl.seeding import resolve_seed
 
 log = logging.getLogger(__name__)
 
@@ -70,6 +71,15 @@ class LossSettings:
     tis_mode: Literal["truncate", "mask"] = "truncate"
     tis_cap: float | None = 2.0
     mask_truncated: bool = False
+
+    def __post_init__(self) -> None:  # a bad YAML value fails at start, naming its key
+        for key in ("updates_per_rollout", "micro_batch_size"):
+            if int(getattr(self, key)) < 1:
+                raise ValueError(f"model.loss.{key} must be >= 1, got {getattr(self, key)}")
+        if self.tis_cap is not None and not self.tis_cap > 0:
+            raise ValueError(f"model.loss.tis_cap must be > 0 (or null: no IS correction), got {self.tis_cap}")
+        if self.clip_low < 0 or self.clip_high < 0 or self.kl_coef < 0:
+            raise ValueError("model.loss.clip_low, clip_high and kl_coef must be >= 0")
 
 
 @dataclass
@@ -144,7 +154,7 @@ class QeRLModule(EvaluationMixin, L.LightningModule):
         adapter_path: a peft adapter directory to load into the LoRA after building the model
             (evaluate or continue a trained adapter); null starts from peft's init (B = 0, i.e. the base).
         gradient_checkpointing: recompute activations in backward (long completions on big models).
-        seed: seeds the tiny model's random init (real models ignore it).
+        seed: seeds the tiny model's random init (real models ignore it); null: ``seed_everything``.
         warn_after_steps: warn when reward std is 0 or >= 90% of completions are truncated this many steps in a row.
     """
 
@@ -159,14 +169,14 @@ class QeRLModule(EvaluationMixin, L.LightningModule):
         eval: EvalSettings | None = None,
         adapter_path: str | None = None,
         gradient_checkpointing: bool = False,
-        seed: int = 0,
+        seed: int | None = None,
         warn_after_steps: int = 5,
     ):
         super().__init__()
         self.save_hyperparameters()
         self.automatic_optimization = False
         self.strict_loading = False  # checkpoints hold only the trainable params
-        self.model_name, self.quantization, self.dtype_name, self.seed = model, quantization, dtype, seed
+        self.model_name, self.quantization, self.dtype_name, self.seed = model, quantization, dtype, resolve_seed(seed)
         self.lora_settings = lora or LoraSettings()
         self.loss_settings = loss or LossSettings()
         self.optim_settings = optimizer or OptimizerSettings()
@@ -216,7 +226,10 @@ class QeRLModule(EvaluationMixin, L.LightningModule):
     def configure_optimizers(self):
         s = self.optim_settings
         opt = torch.optim.AdamW(self.trainable_parameters(), lr=s.lr, betas=tuple(s.betas), weight_decay=s.weight_decay)
-        total = max(1, self.trainer.max_steps if self.trainer and self.trainer.max_steps > 0 else 1000)
+        if self.trainer is None or self.trainer.max_steps <= 0:
+            raise ValueError("set trainer.max_steps: the prompt stream is endless, and the LR schedule and the AQN "
+                             "stages are laid out over max_steps optimizer steps")
+        total = self.trainer.max_steps
         sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: lr_factor(step, total, s.warmup_ratio, s.schedule))
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
 
@@ -273,6 +286,7 @@ class QeRLModule(EvaluationMixin, L.LightningModule):
                     ref_logprobs = torch.cat([lp(mb)[0] for mb in micro_batches])  # (N, T)
 
         # 3. K updates, each accumulating over micro-batches
+        lr = opt.param_groups[0]["lr"]  # the LR of this step's first update (logged as train/lr)
         num_tokens = loss_mask.sum().clamp(min=1)
         sums: dict[str, float] = {}
         entropy_sum, is_ratio_sum, losses, grad_norms = 0.0, 0.0, [], []
@@ -322,10 +336,10 @@ class QeRLModule(EvaluationMixin, L.LightningModule):
             opt.zero_grad(set_to_none=True)
             sched.step()
 
-        self._log_step(rollout, sums, losses, grad_norms, entropy_sum, is_ratio_sum, time.perf_counter() - t0)
+        self._log_step(rollout, sums, losses, grad_norms, entropy_sum, is_ratio_sum, time.perf_counter() - t0, lr)
 
     # ---------------------------------------------------------------- logging
-    def _log_step(self, rollout: Rollout, sums, losses, grad_norms, entropy, is_ratio, train_time) -> None:
+    def _log_step(self, rollout: Rollout, sums, losses, grad_norms, entropy, is_ratio, train_time, lr) -> None:
         G = rollout.group_size
         rewards = rollout.rewards.float()
         group_std = rewards.view(-1, G).std(-1) if G > 1 else torch.zeros(rewards.numel())
@@ -345,7 +359,7 @@ class QeRLModule(EvaluationMixin, L.LightningModule):
             "train/completion_length/max": lengths.max(),
             "train/clipped_ratio": rollout.truncated.float().mean(),
             "train/grad_norm": sum(grad_norms) / len(grad_norms) if grad_norms else float("nan"),
-            "train/lr": self.optimizers().param_groups[0]["lr"],
+            "train/lr": lr,
             "train/groups_dropped": float(rollout.num_groups_dropped),
             "time/train": train_time,
         }

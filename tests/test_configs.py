@@ -18,6 +18,30 @@ def test_config_parses(path, tmp_path, monkeypatch):
     names = {type(cb).__name__ for cb in cli.trainer.callbacks}
     assert "RolloutCallback" in names
     assert any(type(lg).__name__ == "TensorBoardLogger" for lg in cli.trainer.loggers)
+    # --ckpt_path last must find something: a ModelCheckpoint with save_last in a fixed directory
+    ckpt = [cb for cb in cli.trainer.callbacks if type(cb).__name__ == "ModelCheckpoint" and cb.dirpath]
+    assert ckpt and all(cb.save_last for cb in ckpt)
+    for cb in cli.trainer.callbacks:  # every run has a resolved seed (its own or seed_everything's)
+        if hasattr(cb, "seed"):
+            assert isinstance(cb.seed, int)
+
+
+@pytest.mark.parametrize("bad, message", [
+    ("--model.loss.updates_per_rollout=0", "model.loss.updates_per_rollout must be >= 1"),
+    ("--model.loss.micro_batch_size=0", "model.loss.micro_batch_size must be >= 1"),
+    ("--model.loss.tis_cap=0", "model.loss.tis_cap must be > 0"),
+])
+def test_bad_loss_values_fail_before_anything_loads(bad, message, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ValueError, match=message):
+        main(["--config", str(CONFIGS[0].parent / "quickstart.yaml"), bad], run=False)
+
+
+def test_seed_everything_seeds_every_component(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    cli = main(["--config", str(CONFIGS[0].parent / "quickstart.yaml"), "--seed_everything=7"], run=False)
+    seeds = [cb.seed for cb in cli.trainer.callbacks if hasattr(cb, "seed")]
+    assert seeds and all(s == 7 for s in seeds) and cli.datamodule.seed == 7
 
 
 def test_there_are_configs():

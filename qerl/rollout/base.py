@@ -27,6 +27,10 @@ class SamplingSettings:
     top_k: int = 0
     max_new_tokens: int = 256
 
+    def __post_init__(self) -> None:  # a bad YAML value fails at start
+        if self.max_new_tokens < 1 or self.temperature < 0 or not 0 < self.top_p <= 1 or self.top_k < 0:
+            raise ValueError(f"sampling: need max_new_tokens >= 1, temperature >= 0, 0 < top_p <= 1, top_k >= 0; got {self}")
+
 
 @dataclass
 class Generation:

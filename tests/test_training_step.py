@@ -1,0 +1,244 @@
+"""QeRLModule.training_step at module level: a real Lightning Trainer, the module's own AdamW and
+LR scheduler, a tiny random NVFP4 + LoRA policy, and a hand-made rollout batch (no engine, no reward).
+
+What is pinned here (qerl/losses.py's micro-batch accumulation contract, seen through the module):
+- grpo / dapo / dr_grpo: the gradients of both updates, the logged scalars and the updated LoRA
+  weights do not depend on ``micro_batch_size`` (with ``updates_per_rollout=2``, the k3 KL on,
+  overlong masking and sequence-level IS on). bnpo is the documented exception: a token mean per
+  micro-batch, equal to the full batch only when the micro-batches hold equally many tokens;
+- ``updates_per_rollout=K`` makes exactly K optimizer steps per rollout (``global_step`` += K);
+- token- vs sequence-level importance weights and truncate vs mask each change the update when the
+  sampler's log-probs differ from the trainer's, and none of them changes it when they agree.
+"""
+
+import copy
+import math
+from types import SimpleNamespace
+
+import lightning as L
+import pytest
+import torch
+from torch.utils.data import DataLoader
+
+from lightning_modules.qerl_module import LossSettings, OptimizerSettings, QeRLModule
+from qerl.rollout import Rollout
+
+N, G, T, P = 8, 4, 6, 5  # completions, group size, completion length (= max_new_tokens), prompt length
+# Rows 0 and 4 hit max_new_tokens (truncated). With mask_truncated the valid tokens per row are
+# [0, 2, 5, 1 | 0, 3, 4, 1]: micro-batches of 4 hold 8 + 8 tokens (equal), micro-batches of 3 hold
+# 7 + 4 + 6 (unequal). That is what separates bnpo's two cases below.
+LENGTHS = torch.tensor([6, 2, 5, 1, 6, 3, 4, 1])
+REWARDS = torch.tensor([1.0, 0.0, 0.0, 1.0, 0.5, 0.0, 1.0, 0.0])  # two groups of 4, both with signal
+LR = 5e-3  # constant; large enough that a rollout's second update is off-policy (ratios != 1, some clipped)
+# The sampler's log-probs are the trainer's plus this per-token offset, so log(pi_train / pi_sampler)
+# = -offset in (-0.6, 1.2): some tokens and some sequences are above the IS cap log(2), some below.
+OFFSET = torch.empty(N, T).uniform_(-1.2, 0.6, generator=torch.Generator().manual_seed(2))
+# micro-batch invariance setting: K = 2 updates, KL on, overlong masking on, sequence-level TIS on
+INVARIANCE = dict(updates_per_rollout=2, kl_coef=0.05, mask_truncated=True, tis_level="sequence",
+                  tis_mode="truncate", tis_cap=2.0)
+
+
+def build_policy() -> torch.nn.Module:
+    """The tiny NVFP4 policy with LoRA (what ``configure_model`` builds), once per module.
+
+    peft initialises LoRA B to 0, which makes every A gradient 0 in the first update; a seeded
+    non-zero B gives every LoRA parameter a gradient and the adapter-off KL reference something
+    to differ from."""
+    module = QeRLModule(model="tiny-qwen2", quantization="nvfp4", dtype="fp32")
+    module.configure_model()
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name, p in module.model.named_parameters():
+            if "lora_B" in name:
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.05)
+    return module.model
+
+
+def make_rollout(policy: torch.nn.Module, offset: torch.Tensor) -> Rollout:
+    """A rollout batch whose sampler log-probs are ``policy``'s own log-probs plus ``offset``."""
+    gen = torch.Generator().manual_seed(1)
+    prompt_ids = torch.randint(10, 90, (N, P), generator=gen)
+    prompt_mask = torch.ones(N, P, dtype=torch.long)
+    prompt_ids[0, :2], prompt_mask[0, :2] = 0, 0  # one left-padded prompt
+    completion_mask = (torch.arange(T)[None] < LENGTHS[:, None]).long()
+    completion_ids = torch.randint(10, 90, (N, T), generator=gen) * completion_mask
+    probe = QeRLModule(model="tiny-qwen2", quantization="nvfp4", dtype="fp32")
+    probe.model = policy
+    with torch.no_grad():
+        trainer_logprobs, _ = probe.completion_logprobs(
+            torch.cat([prompt_ids, completion_ids], 1), torch.cat([prompt_mask, completion_mask], 1),
+            completion_ids, temperature=1.0)
+    sampler_logprobs = (trainer_logprobs + offset) * completion_mask
+    return Rollout(prompt_ids, prompt_mask, completion_ids, completion_mask, sampler_logprobs, REWARDS.clone(),
+                   {}, LENGTHS == T, G, 1.0, T)
+
+
+@pytest.fixture(scope="module")
+def policy():
+    return build_policy()
+
+
+@pytest.fixture(scope="module")
+def mismatched(policy):
+    """Sampler log-probs differ from the trainer's (as with vLLM's FP4 kernel or rollout-only AQN)."""
+    return make_rollout(policy, OFFSET)
+
+
+class Recorder(L.Callback):
+    """Per optimizer step: the (clipped) gradients the optimizer is about to apply; per batch: the
+    optimizer steps it made and ``global_step`` after it."""
+
+    def __init__(self):
+        self.grads, self.steps_per_batch, self.global_steps, self._count = [], [], [], 0
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+        self._count += 1
+        self.grads.append([p.grad.detach().clone() for p in pl_module.trainable_parameters()])
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.steps_per_batch.append(self._count)
+        self.global_steps.append(trainer.global_step)
+        self._count = 0
+
+
+def fit(policy, rollout, root, batches: int = 1, max_grad_norm: float = 0.2, **loss_kw) -> SimpleNamespace:
+    """``Trainer.fit`` a copy of ``policy`` on ``batches`` copies of ``rollout`` (one epoch, CPU)."""
+    optimizer = OptimizerSettings(lr=LR, warmup_ratio=0.0, schedule="constant", max_grad_norm=max_grad_norm)
+    module = QeRLModule(model="tiny-qwen2", quantization="nvfp4", dtype="fp32", loss=LossSettings(**loss_kw),
+                        optimizer=optimizer)
+    module.model = copy.deepcopy(policy)  # configure_model keeps a model that is already there
+    before = [p.detach().clone() for p in module.trainable_parameters()]
+    recorder = Recorder()
+    trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=batches * module.loss_settings.updates_per_rollout,
+                        max_epochs=1, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                        enable_model_summary=False, callbacks=[recorder], default_root_dir=root)
+    data = [{"rollout": copy.deepcopy(rollout)} for _ in range(batches)]
+    trainer.fit(module, train_dataloaders=DataLoader(data, batch_size=None, collate_fn=lambda batch: batch))
+    return SimpleNamespace(
+        grads=recorder.grads, steps_per_batch=recorder.steps_per_batch, global_steps=recorder.global_steps,
+        before=before, after=[p.detach().clone() for p in module.trainable_parameters()],
+        logged={k: float(v) for k, v in trainer.logged_metrics.items() if k.startswith("train/")},
+        trainer=trainer, module=module,
+    )
+
+
+def max_abs(tensors) -> float:
+    return max(t.abs().max().item() for t in tensors)
+
+
+def max_diff(a, b) -> float:
+    return max((x - y).abs().max().item() for x, y in zip(a, b, strict=True))
+
+
+def assert_same_update(a: SimpleNamespace, b: SimpleNamespace, what: str) -> None:
+    """Same gradients at every optimizer step (to fp32 summation order), same LoRA weights after."""
+    assert len(a.grads) == len(b.grads)
+    for u, (ga, gb) in enumerate(zip(a.grads, b.grads)):
+        scale = max_abs(ga)
+        assert scale > 0, f"{what}: update {u} has an all-zero gradient"
+        assert max_diff(ga, gb) <= 1e-5 * scale, (what, u, max_diff(ga, gb), scale)
+    # AdamW's first step is lr * g / (|g| + eps): it turns fp32 rounding in a near-zero gradient
+    # entry into a visible weight difference, hence a tolerance in units of the step size.
+    assert max_diff(a.after, b.after) <= 1e-2 * LR, (what, max_diff(a.after, b.after))
+
+
+def assert_different_update(a: SimpleNamespace, b: SimpleNamespace, what: str) -> None:
+    """The first update's gradient differs by far more than rounding."""
+    scale = max_abs(a.grads[0])
+    assert max_diff(a.grads[0], b.grads[0]) > 1e-2 * scale, (what, max_diff(a.grads[0], b.grads[0]), scale)
+
+
+# ------------------------------------------------------------------------------------------------
+# micro-batch invariance
+
+
+@pytest.mark.parametrize("aggregation", ["grpo", "dapo", "dr_grpo"])
+def test_update_does_not_depend_on_micro_batch_size(policy, mismatched, tmp_path, aggregation):
+    whole = fit(policy, mismatched, tmp_path / "mb8", micro_batch_size=8, aggregation=aggregation, **INVARIANCE)
+    split = fit(policy, mismatched, tmp_path / "mb3", micro_batch_size=3, aggregation=aggregation, **INVARIANCE)
+
+    # the setting is not vacuous: two steps; the KL reference pass ran; the second update is
+    # off-policy (clipping active: the first update's ratios are exactly 1) and has its own gradient
+    assert whole.steps_per_batch == split.steps_per_batch == [2]
+    assert whole.logged["train/kl"] > 0
+    assert whole.logged["train/clip_ratio/region"] > 0
+    assert max_diff(whole.grads[0], whole.grads[1]) > 0.1 * max_abs(whole.grads[0])
+    assert max_diff(whole.before, whole.after) > 0.5 * LR
+
+    assert_same_update(whole, split, aggregation)
+    # every logged scalar (loss summed over micro-batches, token-weighted metrics) agrees as well
+    assert whole.logged.keys() == split.logged.keys()
+    for key, value in whole.logged.items():
+        assert split.logged[key] == pytest.approx(value, rel=1e-5, abs=1e-7), key
+
+
+def test_bnpo_is_a_token_mean_per_micro_batch(policy, mismatched, tmp_path):
+    """bnpo's docstring: the loss of a micro-batch is its own token mean, averaged over micro-batches.
+    So it equals dapo's whole-batch token mean with one micro-batch, and with micro-batches of equal
+    token counts (8 + 8), but not with unequal ones (7 + 4 + 6: a token of the 4-token micro-batch
+    weighs 6 / 4 as much as under the whole-batch mean)."""
+    whole = fit(policy, mismatched, tmp_path / "mb8", micro_batch_size=8, aggregation="bnpo", **INVARIANCE)
+    dapo = fit(policy, mismatched, tmp_path / "dapo", micro_batch_size=8, aggregation="dapo", **INVARIANCE)
+    equal = fit(policy, mismatched, tmp_path / "mb4", micro_batch_size=4, aggregation="bnpo", **INVARIANCE)
+    unequal = fit(policy, mismatched, tmp_path / "mb3", micro_batch_size=3, aggregation="bnpo", **INVARIANCE)
+
+    assert_same_update(whole, dapo, "bnpo == dapo with one micro-batch")
+    assert_same_update(whole, equal, "bnpo, micro-batches of equal token counts")
+    assert whole.logged["train/loss"] == pytest.approx(equal.logged["train/loss"], rel=1e-5, abs=1e-7)
+    assert_different_update(whole, unequal, "bnpo, micro-batches of unequal token counts")
+    assert abs(whole.logged["train/loss"] - unequal.logged["train/loss"]) > 1e-2 * abs(whole.logged["train/loss"])
+
+
+# ------------------------------------------------------------------------------------------------
+# updates_per_rollout
+
+
+def test_updates_per_rollout_makes_k_optimizer_steps_per_rollout(policy, mismatched, tmp_path):
+    K = 3
+    run = fit(policy, mismatched, tmp_path, batches=2, updates_per_rollout=K)
+    assert run.steps_per_batch == [K, K]  # optimizer steps inside each training_step
+    assert run.global_steps == [K, 2 * K]  # global_step counts optimizer steps
+    assert run.trainer.global_step == 2 * K
+    optimizer = run.trainer.optimizers[0]
+    assert {int(optimizer.state[p]["step"]) for p in run.module.trainable_parameters()} == {2 * K}
+    assert run.trainer.lr_scheduler_configs[0].scheduler.last_epoch == 2 * K  # one scheduler step per update
+    assert all(max_abs(g) > 0 for g in run.grads)  # each a real update
+
+
+# ------------------------------------------------------------------------------------------------
+# importance sampling against the sampler's log-probs
+
+
+IS_VARIANTS = {
+    "token/truncate": dict(tis_level="token", tis_mode="truncate"),
+    "token/mask": dict(tis_level="token", tis_mode="mask"),
+    "sequence/truncate": dict(tis_level="sequence", tis_mode="truncate"),
+    "sequence/mask": dict(tis_level="sequence", tis_mode="mask"),
+}
+
+
+def test_importance_sampling_level_and_mode_each_change_the_update(policy, mismatched, tmp_path):
+    cap = 2.0
+    # the offsets put tokens and sequences on both sides of the cap, so truncate != mask at both levels
+    valid = mismatched.completion_mask.bool()
+    token_log_w = -OFFSET[valid]
+    sequence_log_w = torch.where(valid, -OFFSET, 0.0).sum(-1)[LENGTHS > 0]
+    for log_w in (token_log_w, sequence_log_w):
+        assert (log_w > math.log(cap)).any() and (log_w < math.log(cap)).any()
+
+    # no gradient clipping here: it would rescale every variant to the same norm
+    kw = dict(tis_cap=cap, max_grad_norm=1e9)
+    plain = fit(policy, mismatched, tmp_path / "plain", tis_cap=None, max_grad_norm=1e9)  # no IS correction
+    runs = {name: fit(policy, mismatched, tmp_path / name.replace("/", "_"), **kw, **variant)
+            for name, variant in IS_VARIANTS.items()}
+    runs["none"] = plain
+    names = list(runs)
+    for i, a in enumerate(names):
+        for b in names[i + 1:]:
+            assert_different_update(runs[a], runs[b], f"{a} vs {b}")
+
+    # control: when the sampler agrees with the trainer every weight is 1 and no variant changes the update
+    matched = make_rollout(policy, torch.zeros(N, T))
+    for name in ("token/mask", "sequence/truncate"):
+        run = fit(policy, matched, tmp_path / f"matched_{name.replace('/', '_')}", **kw, **IS_VARIANTS[name])
+        assert_same_update(run, plain, f"{name} with matched log-probs")
