@@ -262,6 +262,9 @@ class QeRLModule(EvaluationMixin, L.LightningModule):
         s = self.loss_settings
         opt, sched = self.optimizers(), self.lr_schedulers()
         t0 = time.perf_counter()
+        # x-axis of every scalar of this batch (ours, the callbacks', AQN's): the optimizer step it
+        # started at. Lightning uses a logged "step" value as the logger step instead of its batch count.
+        self.log("step", float(self.global_step), on_step=True, on_epoch=False, batch_size=1)
 
         N, T = rollout.completion_ids.shape  # N = prompts * G
         input_ids = torch.cat([rollout.prompt_ids, rollout.completion_ids], 1)  # (N, P+T)

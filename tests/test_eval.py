@@ -103,9 +103,13 @@ def _record_eval_generations(monkeypatch) -> list[dict]:
 def test_periodic_validation_during_fit_reaches_tensorboard_without_noise(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     seen = _record_eval_generations(monkeypatch)
-    cli = main(["fit", *fast_args(tmp_path, 3), "--trainer.val_check_interval=2"])
-    values, _ = scalars(f"{tmp_path}/logs")
-    assert "val/arithmetic/pass@1" in values
+    cli = main(["fit", *fast_args(tmp_path, 4), "--trainer.val_check_interval=2", "--model.loss.updates_per_rollout=2"])
+    values, acc = scalars(f"{tmp_path}/logs")
+    # x-axis = optimizer steps: 2 rollout batches of 2 updates each, validation after the second
+    steps = {tag: [e.step for e in acc.Scalars(tag)] for tag in ("train/reward", "aqn/sigma", "val/arithmetic/pass@1")}
+    assert steps == {"train/reward": [0, 2], "aqn/sigma": [0, 2], "val/arithmetic/pass@1": [4]}
+    assert (Path(cli.trainer.log_dir) / "eval" / "val_step4.json").exists()
+    assert values["train/lr"][0] == pytest.approx(1e-3)  # the LR the first update used (peak, no warmup)
     evals = [g for g in seen if not g["noise"]]
     train_rollouts = [g for g in seen if g["noise"]]
     assert train_rollouts, "AQN should be on for the training rollouts of steps >= 1"
