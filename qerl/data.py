@@ -46,6 +46,7 @@ Layout = Literal["auto", "gsm8k", "math", "custom"]
 _LAYOUTS = ("auto", "gsm8k", "math", "custom")
 # At most this many per-row warnings per load; the rest are only counted in the summary.
 _MAX_ROW_WARNINGS = 10
+_MAX_BARE_ANSWER = 64  # a GSM8K-layout answer without '####' must be this short (one line) to count as the answer
 
 
 @dataclass
@@ -120,7 +121,11 @@ def _row_to_pair(row: Any, layout: str, prompt_key: str | None, answer_key: str 
         raise _BadRow(f"expected a JSON object, got {type(row).__name__}")
     if layout == "gsm8k":
         prompt = _field(row, prompt_key or "question")
-        answer = extract_gsm8k_gold(_field(row, answer_key or "answer"))
+        raw = _field(row, answer_key or "answer")
+        if "####" not in raw and ("\n" in raw.strip() or len(raw) > _MAX_BARE_ANSWER):
+            # a worked solution without its '#### <answer>' line: the gold would be the whole text
+            raise _BadRow("GSM8K answer has no '#### <final answer>' line")
+        answer = extract_gsm8k_gold(raw)
     elif layout == "math":
         prompt = _field(row, prompt_key or "problem")
         if answer_key is not None:
@@ -251,7 +256,12 @@ def _read_hub(source: str, split: str) -> Iterator[_RawRow]:
     import datasets
 
     dataset_id, _, config = source.partition(":")
-    ds = datasets.load_dataset(dataset_id, config or None, split=split)
+    try:
+        ds = datasets.load_dataset(dataset_id, config or None, split=split)
+    except Exception as err:  # offline, unknown id, or a local path that does not exist
+        first_line = (str(err).strip().splitlines() or [""])[0]
+        raise FileNotFoundError(f"data source {source!r}: no such local file or directory, and loading it as a "
+                                f"Hugging Face dataset failed ({type(err).__name__}: {first_line})") from err
     yield from _read_table(_pick_split(ds, split, source), source)
 
 

@@ -189,6 +189,26 @@ def test_hub_id_with_config(monkeypatch):
     assert calls[-1] == ("HuggingFaceH4/MATH-500", None, "test")
 
 
+def test_unreachable_source_names_both_readings(monkeypatch):
+    datasets = pytest.importorskip("datasets")
+
+    def offline(*a, **kw):
+        raise ConnectionError("Couldn't reach 'nowhere/gsm8k' on the Hub (LocalEntryNotFoundError)\nmore lines")
+
+    monkeypatch.setattr(datasets, "load_dataset", offline)
+    with pytest.raises(FileNotFoundError, match=r"'nowhere/gsm8k': no such local file or directory, and loading it as "
+                                                 r"a Hugging Face dataset failed \(ConnectionError: Couldn't reach"):
+        load_examples("nowhere/gsm8k", split="test")
+
+
+def test_gsm8k_answer_without_marker_is_a_bad_row_unless_short(tmp_path, caplog):
+    rows = [{"question": "Q1", "answer": "step one\nstep two, no marker"}, {"question": "Q2", "answer": "42"},
+            {"question": "Q3", "answer": "x" * 100}, GSM8K_ROWS[0]]
+    ex = load_examples(write_jsonl(tmp_path / "g.jsonl", rows), layout="gsm8k")
+    assert [e.answer for e in ex] == ["42", "72"] and ex.num_skipped == 2
+    assert "no '#### <final answer>' line" in caplog.text
+
+
 def test_synthetic_is_deterministic_by_seed():
     a, b, c = synthetic_arithmetic(50, seed=1), synthetic_arithmetic(50, seed=1), synthetic_arithmetic(50, seed=2)
     assert a == b and a != c

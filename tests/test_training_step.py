@@ -202,7 +202,6 @@ def test_updates_per_rollout_makes_k_optimizer_steps_per_rollout(policy, mismatc
     optimizer = run.trainer.optimizers[0]
     assert {int(optimizer.state[p]["step"]) for p in run.module.trainable_parameters()} == {2 * K}
     assert run.trainer.lr_scheduler_configs[0].scheduler.last_epoch == 2 * K  # one scheduler step per update
-    assert all(max_abs(g) > 0 for g in run.grads)  # each a real update
 
 
 # ------------------------------------------------------------------------------------------------
