@@ -73,6 +73,16 @@ def make_rollout(policy: torch.nn.Module, offset: torch.Tensor) -> Rollout:
                    {}, LENGTHS == T, G, 1.0, T)
 
 
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """The matmuls here are tiny: a second intra-op thread buys nothing, while on a busy machine
+    OpenMP's spin-waiting makes every op many times slower."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture(scope="module")
 def policy():
     return build_policy()
