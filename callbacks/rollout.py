@@ -38,7 +38,8 @@ class RolloutCallback(L.Callback):
         max_batch_size: sequences decoded together by the hf engine.
         cuda_graphs: hf engine on CUDA: decode from a static KV cache with the one-token step
             replayed as a CUDA graph (6-11x faster at small batch); false = one eager forward per token.
-        dynamic_sampling: DAPO: drop groups whose rewards are all equal and refill from fresh prompts.
+        dynamic_sampling: DAPO: drop groups whose rewards (before overlong shaping) are all equal and
+            refill from fresh prompts.
         max_refill_rounds: at most this many extra generation rounds per step for dynamic sampling.
         overlong_buffer: DAPO soft overlong punishment over the last this-many tokens (0 = off).
         overlong_penalty: the penalty reached at max_new_tokens.
@@ -66,8 +67,8 @@ class RolloutCallback(L.Callback):
         seed: int | None = None,
         vllm: VLLMSettings | None = None,
     ):
-        if group_size < 1 or max_batch_size < 1 or max_refill_rounds < 0:
-            raise ValueError("RolloutCallback: group_size and max_batch_size must be >= 1, max_refill_rounds >= 0")
+        if group_size < 1 or max_batch_size < 1 or not 0 <= max_refill_rounds <= 15:
+            raise ValueError("RolloutCallback: group_size and max_batch_size must be >= 1, max_refill_rounds in 0..15")
         sampling = sampling or SamplingSettings()
         if not 0 <= overlong_buffer <= sampling.max_new_tokens:
             raise ValueError(f"RolloutCallback: overlong_buffer must be in [0, sampling.max_new_tokens="
@@ -155,7 +156,7 @@ class RolloutCallback(L.Callback):
         """Generate G completions per prompt and score them; returns (kept groups, dropped groups)."""
         G, tok = self.group_size, pl_module.tokenizer
         t0 = time.perf_counter()
-        gen = self.engine.generate(prompt_ids, G, self.sampling, seed=(self.seed * 1_000_003 + step) * 16 + round_)
+        gen = self.engine.generate(prompt_ids, G, self.sampling, seed=(self.seed * 1_000_003 + step) * 16 + round_)  # round_ < 16
         timings["generate"] += time.perf_counter() - t0
         for part, seconds in gen.timings.items():  # vllm: wake / generate / sleep inside generate
             if part != "generate":
@@ -166,13 +167,14 @@ class RolloutCallback(L.Callback):
         rewards = torch.tensor(self.reward(texts, gold), dtype=torch.float32)  # (B*G,)
         components = {k: torch.tensor(v, dtype=torch.float32) for k, v in self.reward.last_components.items()}
         truncated = torch.tensor([r == "length" for r in gen.finish_reasons])
+        task_rewards = rewards  # DAPO filters groups on these: length shaping alone is no learning signal
         if self.overlong_buffer > 0:
             lengths = torch.tensor([len(c) for c in gen.completion_ids])
             penalty = overlong_penalty(lengths, self.sampling.max_new_tokens, self.overlong_buffer, self.overlong_penalty)
             rewards = rewards + penalty
             components["overlong"] = penalty
         timings["reward"] += time.perf_counter() - t0
-        signal = groups_with_signal(rewards, G) if self.dynamic_sampling else torch.ones(len(prompt_ids), dtype=torch.bool)
+        signal = groups_with_signal(task_rewards, G) if self.dynamic_sampling else torch.ones(len(prompt_ids), dtype=torch.bool)
         kept, dropped = [], []
         for b in range(len(prompt_ids)):
             rows = slice(b * G, (b + 1) * G)

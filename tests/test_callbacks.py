@@ -64,6 +64,22 @@ def test_dynamic_sampling_drops_flat_groups_and_refills():
     assert rollout.completion_mask.sum().item() == 4
 
 
+def test_dynamic_sampling_ignores_length_shaping():
+    """DAPO filters on accuracy: a group all right (or all wrong) is dropped even when the overlong
+    penalty makes its shaped rewards differ."""
+    module = _module()
+    tok = module.tokenizer
+    enc = lambda s: tok(s)["input_ids"]  # noqa: E731
+    p_flat, p_mixed = enc("x"), enc("y")
+    script = {tuple(p_flat): [enc("a"), enc("abcd")], tuple(p_mixed): [enc("a"), enc("b")]}
+    cb = RolloutCallback(reward=CharIsA(), group_size=2, sampling=SamplingSettings(max_new_tokens=4),
+                         dynamic_sampling=True, max_refill_rounds=0, overlong_buffer=4)
+    cb.engine = ScriptedEngine(script)
+    batch = {"prompt_ids": [p_flat, p_mixed], "prompts": ["x", "y"], "answers": ["-", "-"]}
+    cb.on_train_batch_start(_trainer([cb]), module, batch, 0)
+    assert batch["rollout"].prompts == ["y", "y"] and batch["rollout"].num_groups_dropped == 1
+
+
 def test_overlong_shaping_adds_penalty_component():
     module = _module()
     tok = module.tokenizer
