@@ -1,0 +1,138 @@
+"""Where prompt rows come from: local ``.jsonl`` / ``.json`` / ``.parquet`` files, local directories
+(``<split>.<ext>``, ``save_to_disk`` folders, downloaded dataset repos) and Hugging Face dataset ids
+(``"id:config"``). Yields raw rows with a name for messages; ``qerl.data`` turns them into examples.
+A row that cannot be parsed is yielded as a :class:`BadRow` (skipped and counted there)."""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterable, Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+LOCAL_SUFFIXES = (".jsonl", ".json", ".parquet")
+
+
+class BadRow(ValueError):
+    """A row that cannot become a PromptExample (invalid JSON, missing/empty field)."""
+
+
+
+# A raw row: (position in the source, what it is called in messages, the row or the parse error).
+_RawRow = tuple[int, str, Any]
+
+
+def _read_jsonl(path: Path) -> Iterator[_RawRow]:
+    index = 0
+    with open(path, encoding="utf-8") as f:
+        for lineno, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            try:
+                row: Any = json.loads(line)
+            except json.JSONDecodeError as e:
+                row = BadRow(f"invalid JSON ({e.msg} at column {e.colno})")
+            yield index, f"{path}:{lineno}", row
+            index += 1
+
+
+def _read_json(path: Path) -> Iterator[_RawRow]:
+    text = path.read_text(encoding="utf-8")
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as e:
+        if e.msg == "Extra data":  # JSON Lines saved as .json (common on the Hub)
+            yield from _read_jsonl(path)
+            return
+        raise ValueError(f"{path}: not valid JSON ({e.msg} at line {e.lineno})") from None
+    if isinstance(data, Mapping):
+        lists = [v for v in data.values() if isinstance(v, list)]
+        if len(lists) != 1:
+            raise ValueError(f"{path}: expected a JSON list of rows (or an object holding exactly one list)")
+        data = lists[0]
+    if not isinstance(data, list):
+        raise ValueError(f"{path}: expected a JSON list of rows, got {type(data).__name__}")
+    for i, row in enumerate(data):
+        yield i, f"{path}[{i}]", row
+
+
+def _read_table(rows: Iterable[Any], name: str) -> Iterator[_RawRow]:
+    for i, row in enumerate(rows):
+        yield i, f"{name} row {i}", row
+
+
+def _read_parquet(path: Path) -> Iterator[_RawRow]:
+    import pyarrow.parquet as pq
+
+    yield from _read_table(pq.read_table(path).to_pylist(), str(path))
+
+
+def _pick_split(ds: Any, split: str, name: str) -> Any:
+    """A `datasets.Dataset` from a Dataset or DatasetDict."""
+    if isinstance(ds, Mapping):  # DatasetDict
+        if split not in ds:
+            raise ValueError(f"{name} has no split {split!r} (available: {sorted(ds.keys())})")
+        return ds[split]
+    return ds
+
+
+def _read_directory(path: Path, split: str) -> Iterator[_RawRow]:
+    for suffix in LOCAL_SUFFIXES:
+        candidate = path / f"{split}{suffix}"
+        if candidate.is_file():
+            yield from _read_file(candidate)
+            return
+    import datasets
+
+    if (path / "dataset_dict.json").is_file() or (path / "state.json").is_file():
+        ds = _pick_split(datasets.load_from_disk(str(path)), split, str(path))
+    else:
+        ds = datasets.load_dataset(str(path), split=split)
+    yield from _read_table(ds, str(path))
+
+
+def _read_file(path: Path) -> Iterator[_RawRow]:
+    suffix = path.suffix.lower()
+    if suffix == ".jsonl":
+        yield from _read_jsonl(path)
+    elif suffix == ".json":
+        yield from _read_json(path)
+    elif suffix == ".parquet":
+        yield from _read_parquet(path)
+    else:
+        raise ValueError(f"{path}: unsupported file type {suffix!r}; use one of {LOCAL_SUFFIXES}")
+
+
+def _looks_local(source: str) -> bool:
+    return (
+        source.lower().endswith(LOCAL_SUFFIXES)
+        or source.startswith(("/", "./", "../", "~"))
+        or os.sep != "/" and os.sep in source
+    )
+
+
+def _read_hub(source: str, split: str) -> Iterator[_RawRow]:
+    import datasets
+
+    dataset_id, _, config = source.partition(":")
+    try:
+        ds = datasets.load_dataset(dataset_id, config or None, split=split)
+    except Exception as err:  # offline, unknown id, or a local path that does not exist
+        first_line = (str(err).strip().splitlines() or [""])[0]
+        raise FileNotFoundError(f"data source {source!r}: no such local file or directory, and loading it as a "
+                                f"Hugging Face dataset failed ({type(err).__name__}: {first_line})") from err
+    yield from _read_table(_pick_split(ds, split, source), source)
+
+
+def raw_rows(source: str, split: str) -> Iterator[_RawRow]:
+    """(index, name, row or BadRow) of every row of ``source``; missing local paths raise."""
+    path = Path(source).expanduser()
+    if path.is_dir():
+        yield from _read_directory(path, split)
+    elif path.is_file():
+        yield from _read_file(path)
+    elif _looks_local(source):
+        raise FileNotFoundError(f"data source not found: {path}")
+    else:
+        yield from _read_hub(source, split)
