@@ -20,7 +20,6 @@ def main(args=None, run: bool = True) -> LightningCLI:
             handler.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
             logger.addHandler(handler)
             logger.setLevel(logging.INFO)
-            logger.propagate = False
     return LightningCLI(
         QeRLModule,
         PromptDataModule,
