@@ -76,18 +76,21 @@ def test_quickstart_cli_logs_every_scalar_and_trains_only_lora(tmp_path, monkeyp
     assert (Path(cli.trainer.log_dir) / "adapter" / "adapter_config.json").exists()
 
 
-def test_checkpoint_holds_only_trainable_params_and_resume_matches_straight_run(tmp_path, monkeypatch):
+@pytest.mark.parametrize("dropout", [0.0, 0.2])
+def test_checkpoint_holds_only_trainable_params_and_resume_matches_straight_run(dropout, tmp_path, monkeypatch):
+    """With LoRA dropout the global generator matters too: the checkpoint carries it."""
     monkeypatch.chdir(tmp_path)
     # A constant LR: the cosine schedule spans max_steps, which differs between a 2-step and a
     # 4-step run by design, so only a constant schedule makes "2 + resume 2" comparable to "4".
-    straight = main(["fit", *fast_args(tmp_path / "a", 4, schedule="constant")])
+    extra = [f"--model.lora.dropout={dropout}"]
+    straight = main(["fit", *fast_args(tmp_path / "a", 4, extra, schedule="constant")])
     final_straight = {n: p.detach().clone() for n, p in straight.model.model.named_parameters() if p.requires_grad}
 
-    main(["fit", *fast_args(tmp_path / "b", 2, schedule="constant")])
+    main(["fit", *fast_args(tmp_path / "b", 2, extra, schedule="constant")])
     ckpt = torch.load(tmp_path / "b" / "ckpt" / "last.ckpt", weights_only=False)
     assert ckpt["state_dict"] and all("lora_" in k for k in ckpt["state_dict"])
     assert ckpt["global_step"] == 2
-    resumed = main(["fit", *fast_args(tmp_path / "b", 4, ["--ckpt_path", "last"], schedule="constant")])
+    resumed = main(["fit", *fast_args(tmp_path / "b", 4, [*extra, "--ckpt_path", "last"], schedule="constant")])
     assert resumed.trainer.global_step == 4
     for n, p in resumed.model.model.named_parameters():
         if p.requires_grad:
