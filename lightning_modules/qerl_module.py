@@ -23,13 +23,11 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
-import random
 import time
 from dataclasses import dataclass
 from typing import Literal
 
 import lightning as L
-import numpy as np
 import torch
 from lightning.pytorch.utilities import rank_zero_warn
 
@@ -38,7 +36,7 @@ from qerl.losses import truncated_is_weights
 from lightning_modules.evaluation import EvaluationMixin
 from qerl.model import LoraSettings, load_policy, load_tokenizer
 from qerl.rollout import Rollout
-from qerl.seeding import resolve_seed
+from qerl.seeding import global_rng_state, resolve_seed, set_global_rng_state
 
 log = logging.getLogger(__name__)
 
@@ -394,11 +392,7 @@ class QeRLModule(EvaluationMixin, L.LightningModule):
         keep the global generators (LoRA dropout draws from them), restored at the next batch."""
         trainable = {n for n, p in self.named_parameters() if p.requires_grad}
         checkpoint["state_dict"] = {k: v for k, v in checkpoint["state_dict"].items() if k in trainable}
-        name, keys, pos, has_gauss, gauss = np.random.get_state()  # plain types: weights_only loads it
-        checkpoint["qerl_rng"] = {"python": random.getstate(),
-                                  "numpy": (name, torch.from_numpy(keys.astype(np.int64)), pos, has_gauss, gauss),
-                                  "torch": torch.random.get_rng_state(),
-                                  "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None}
+        checkpoint["qerl_rng"] = global_rng_state()
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
         self._resume_rng = checkpoint.get("qerl_rng")
@@ -408,12 +402,7 @@ class QeRLModule(EvaluationMixin, L.LightningModule):
         # dataloader iterator's base seed), which the uninterrupted run did before its first batch
         state, self._resume_rng = getattr(self, "_resume_rng", None), None
         if state is not None:
-            random.setstate(state["python"])
-            name, keys, pos, has_gauss, gauss = state["numpy"]
-            np.random.set_state((name, keys.numpy().astype(np.uint32), pos, has_gauss, gauss))
-            torch.random.set_rng_state(state["torch"])
-            if state["cuda"] is not None and torch.cuda.is_available():
-                torch.cuda.set_rng_state_all(state["cuda"])
+            set_global_rng_state(state)
 
     def on_train_end(self) -> None:
         """Write the adapter in peft format next to the logs (what users serve or evaluate)."""

@@ -13,3 +13,32 @@ def resolve_seed(seed: int | None) -> int:
     if seed is not None:
         return int(seed)
     return int(os.environ.get("PL_GLOBAL_SEED", 0))
+
+
+def global_rng_state() -> dict:
+    """Python's, NumPy's and torch's (CPU + CUDA) global generator states, in plain types (a
+    ``weights_only`` checkpoint load accepts them)."""
+    import random
+
+    import numpy as np
+    import torch
+
+    name, keys, pos, has_gauss, gauss = np.random.get_state()
+    return {"python": random.getstate(), "numpy": (name, torch.from_numpy(keys.astype(np.int64)), pos, has_gauss, gauss),
+            "torch": torch.random.get_rng_state(),
+            "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None}
+
+
+def set_global_rng_state(state: dict) -> None:
+    """Inverse of :func:`global_rng_state`."""
+    import random
+
+    import numpy as np
+    import torch
+
+    random.setstate(state["python"])
+    name, keys, pos, has_gauss, gauss = state["numpy"]
+    np.random.set_state((name, keys.numpy().astype(np.uint32), pos, has_gauss, gauss))
+    torch.random.set_rng_state(state["torch"])
+    if state["cuda"] is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])

@@ -18,8 +18,9 @@ from qerl.model import LoraSettings, load_policy
 from qerl.rollout import SamplingSettings
 from qerl.rollout.vllm import (
     VLLMEngine, VLLMSettings, adapter_config, adapter_tensors, allowed_lora_rank, hf_to_vllm_norm_name,
-    outputs_to_generation, request_seed, sampling_params_kwargs, unexpected_lora_modules,
+    outputs_to_generation, request_seed, sampling_params_kwargs,
 )
+from qerl.rollout.vllm_worker import unexpected_lora_modules
 from qerl.tiny import build_tiny_model
 
 

@@ -58,8 +58,8 @@ import torch
 from torch import nn
 
 from qerl.rollout.base import Generation, RolloutEngine, SamplingSettings
-from qerl.rollout.vllm_worker import (  # noqa: F401  (re-exported: the engine's in-vLLM half)
-    copy_norm_scales, expected_lora_modules, install_tensor_lora_loader, max_model_len, unexpected_lora_modules)
+from qerl.seeding import global_rng_state, set_global_rng_state
+from qerl.rollout.vllm_worker import copy_norm_scales, install_tensor_lora_loader, max_model_len
 
 log = logging.getLogger(__name__)
 
@@ -182,20 +182,11 @@ def outputs_to_generation(request_outputs) -> Generation:
 @contextlib.contextmanager
 def _rng_preserved():
     """Restore Python's, NumPy's and torch's global generators afterwards (vLLM reseeds them)."""
-    import random
-
-    import numpy as np
-
-    state = (random.getstate(), np.random.get_state(), torch.random.get_rng_state(),
-             torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None)
+    state = global_rng_state()
     try:
         yield
     finally:
-        random.setstate(state[0])
-        np.random.set_state(state[1])
-        torch.random.set_rng_state(state[2])
-        if state[3] is not None:
-            torch.cuda.set_rng_state_all(state[3])
+        set_global_rng_state(state)
 
 
 # ----------------------------------------------------------------------------- the engine
