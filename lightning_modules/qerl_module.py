@@ -219,6 +219,11 @@ class QeRLModule(EvaluationMixin, L.LightningModule):
         if self.gradient_checkpointing:
             self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
             self.model.enable_input_require_grads()
+        # DDP: every rank builds the same frozen base from `model`; broadcasting it is wasted traffic and
+        # NVFP4 tensors cannot be flattened into DDP's buckets. Only trainable tensors are synced.
+        frozen = [f"model.{n}" for n, p in self.model.named_parameters() if not p.requires_grad]
+        frozen += [f"model.{n}" for n, _ in self.model.named_buffers()]
+        torch.nn.parallel.DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(self, frozen)
 
     def trainable_parameters(self) -> list[torch.nn.Parameter]:
         return [p for p in self.model.parameters() if p.requires_grad]
@@ -406,7 +411,8 @@ class QeRLModule(EvaluationMixin, L.LightningModule):
 
     def on_train_end(self) -> None:
         """Write the adapter in peft format next to the logs (what users serve or evaluate)."""
-        if self.trainer.is_global_zero and self.trainer.log_dir:
+        log_dir = self.trainer.log_dir  # a collective under DDP: every rank asks, rank 0 writes
+        if self.trainer.is_global_zero and log_dir:
             from qerl.export import export_adapter  # LoRA + trainable norms, peft format
 
-            export_adapter(self.model, f"{self.trainer.log_dir}/adapter")
+            export_adapter(self.model, f"{log_dir}/adapter")

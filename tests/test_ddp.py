@@ -1,0 +1,48 @@
+"""Data-parallel training (Lightning DDP, 2 CPU processes over gloo) through the real CLI.
+
+The frozen NVFP4 base is not broadcast (each rank builds it from ``model``; NVFP4 tensors cannot
+go into DDP's flat buckets): only LoRA is synced. After training, both ranks must hold the same
+LoRA weights, and those must have moved."""
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import torch
+import yaml
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_ddp_two_cpu_ranks_train_the_same_lora(tmp_path):
+    (tmp_path / "dump_lora.py").write_text(textwrap.dedent(f"""
+        import torch, lightning as L
+
+        class DumpLoRA(L.Callback):
+            def on_train_end(self, trainer, pl_module):
+                lora = {{n: p.detach().clone() for n, p in pl_module.model.named_parameters() if p.requires_grad}}
+                torch.save(lora, f"{tmp_path}/rank{{trainer.global_rank}}.pt")
+    """))
+    cfg = yaml.safe_load((ROOT / "configs" / "quickstart.yaml").read_text())
+    cfg["trainer"].update(max_steps=2, strategy="ddp", devices=2, enable_progress_bar=False, val_check_interval=2)
+    cfg["trainer"]["logger"]["init_args"]["save_dir"] = str(tmp_path / "logs")
+    cfg["trainer"]["callbacks"] = [cb for cb in cfg["trainer"]["callbacks"] if "ModelCheckpoint" not in cb["class_path"]]
+    cfg["trainer"]["callbacks"].append({"class_path": "dump_lora.DumpLoRA"})
+    for cb in cfg["trainer"]["callbacks"]:
+        if cb["class_path"].endswith("RolloutCallback"):
+            cb["init_args"]["sampling"]["max_new_tokens"] = 12
+            cb["init_args"]["overlong_buffer"] = 12
+    cfg["data"]["prompts_per_step"] = 2
+    (tmp_path / "ddp.yaml").write_text(yaml.safe_dump(cfg))
+    env = {**os.environ, "PYTHONPATH": f"{tmp_path}{os.pathsep}{ROOT}", "OMP_NUM_THREADS": "1"}
+    run = subprocess.run([sys.executable, str(ROOT / "train.py"), "fit", "--config", str(tmp_path / "ddp.yaml")],
+                         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    rank0, rank1 = torch.load(tmp_path / "rank0.pt"), torch.load(tmp_path / "rank1.pt")
+    assert rank0.keys() == rank1.keys() and all("lora_" in n for n in rank0)
+    for name in rank0:
+        assert torch.equal(rank0[name], rank1[name]), name
+    assert any(rank0[n].abs().max() > 0 for n in rank0 if "lora_B" in n)  # B starts at 0: it trained
+    assert list((tmp_path / "logs").glob("*/version_0/adapter/adapter_config.json"))  # rank 0 wrote it
