@@ -103,3 +103,8 @@ def test_capture_failure_falls_back_to_eager_gpu(caplog):
         handle.remove()
     assert got.completion_ids == expected.completion_ids
     assert "capture of the decode step failed" in caplog.text
+    # the failed capture left nothing behind: default stream current, allocator usable and releasable
+    assert torch.cuda.current_stream() == torch.cuda.default_stream()
+    torch.empty(1 << 20, device="cuda").sum().item()
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()

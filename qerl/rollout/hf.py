@@ -126,12 +126,13 @@ class _StaticDecoder:
             self._warmed = True
             return logits
         if self.graph is None:
-            graph = torch.cuda.CUDAGraph()
+            graph, stream = torch.cuda.CUDAGraph(), torch.cuda.current_stream()
             try:
                 with torch.cuda.graph(graph):
                     self.graph_logits = self._forward()
             except Exception as err:  # a module that cannot be captured: keep the static cache, run eagerly
                 # (nothing ran during the failed capture, so the cache's write position is unchanged)
+                _abandon_capture(graph, stream)
                 log.warning("CUDA-graph capture of the decode step failed (%s: %s); decoding eagerly. "
                             "Set RolloutCallback(cuda_graphs=False) to skip the attempt.", type(err).__name__, err)
                 self.use_graph = False
@@ -140,6 +141,20 @@ class _StaticDecoder:
             self.graph = graph
         self.graph.replay()
         return self.graph_logits
+
+
+def _abandon_capture(graph: torch.cuda.CUDAGraph, stream: torch.cuda.Stream) -> None:
+    """Undo what ``torch.cuda.graph`` leaves behind when the capture fails inside it (``capture_end``
+    raises before it ends the allocator's routing to the graph's private pool, and the capture
+    stream stays current): otherwise later allocations land in a dead pool and the allocator
+    asserts at exit (``captures_underway.empty()``)."""
+    torch.cuda.set_stream(stream)
+    device = torch.cuda.current_device()
+    try:
+        torch._C._cuda_endAllocateToPool(device, graph.pool())
+        torch._C._cuda_releasePool(device, graph.pool())
+    except RuntimeError:  # capture_end did get that far: nothing left to undo
+        pass
 
 
 def decode_mode(device_type: str, cuda_graphs: bool, attn_implementation: str, static: bool | None = None) -> str:
