@@ -66,7 +66,7 @@ class AQNCallback(L.Callback):
         self.monitor.max_steps = max(1, trainer.max_steps)
         stages = getattr(self.controller, "num_stages", None) or getattr(getattr(self.controller, "base", None), "num_stages", None)
         if stages and trainer.max_steps < stages and getattr(self.controller, "max_steps", None) is None:
-            log.warning("AQN: trainer.max_steps=%s is below the schedule's %d stages (or unset): every step is its "
+            log.warning("AQN: trainer.max_steps=%s is below the schedule's %d stages: every step is its "
                         "own stage and sigma_end is not reached; set trainer.max_steps or the controller's "
                         "max_steps", trainer.max_steps, stages)
 

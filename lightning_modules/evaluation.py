@@ -74,12 +74,12 @@ class EvaluationMixin:
             })
 
     def _end_eval(self, stage: str) -> None:
+        self.log("step", float(self.global_step), on_step=False, on_epoch=True, batch_size=1)  # x-axis: optimizer steps
         results = {}
         for name, metric in self._eval_metrics.items():
             values = {k: float(v) for k, v in metric.compute().items()}
             values["problems"] = len(self._eval_records[name])
             results[name] = values
-            self.log("step", float(self.global_step), on_step=False, on_epoch=True, batch_size=1)  # x-axis: optimizer steps
             for key, value in values.items():
                 if key != "problems":
                     self.log(f"{stage}/{name}/{key}", value, on_step=False, on_epoch=True, batch_size=1)

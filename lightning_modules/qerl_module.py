@@ -190,6 +190,7 @@ class QeRLModule(EvaluationMixin, L.LightningModule):
         self.noisy_norms = None
         self.aqn_apply_to: Literal["rollout", "both"] = "both"
         self._streaks = {"zero_std": 0, "truncated": 0, "skipped": 0}
+        self._resume_rng: dict | None = None  # global RNG of a loaded checkpoint, restored at the next batch
 
     # ---------------------------------------------------------------- model
     @property
@@ -405,9 +406,9 @@ class QeRLModule(EvaluationMixin, L.LightningModule):
     def on_train_batch_start(self, batch, batch_idx: int) -> None:
         # restored here, not at load: Lightning draws from the global generator in between (the
         # dataloader iterator's base seed), which the uninterrupted run did before its first batch
-        state, self._resume_rng = getattr(self, "_resume_rng", None), None
-        if state is not None:
-            set_global_rng_state(state)
+        if self._resume_rng is not None:
+            set_global_rng_state(self._resume_rng)
+            self._resume_rng = None
 
     def on_train_end(self) -> None:
         """Write the adapter in peft format next to the logs (what users serve or evaluate)."""

@@ -252,7 +252,7 @@ class VLLMEngine(RolloutEngine):
             torch.cuda.empty_cache()  # vLLM sizes its share from the free memory it sees at start
         with _rng_preserved():  # vLLM seeds the process-global generators with its own seed
             self.llm = vllm.LLM(**kwargs)
-        if not s.adapter_via_disk:
+        if not self._use_disk:
             try:
                 self.llm.collective_rpc(install_tensor_lora_loader, args=(self._adapters,))
             except AttributeError as err:  # vLLM's private worker API moved: fall back to files in tmpfs
