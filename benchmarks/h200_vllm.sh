@@ -9,6 +9,8 @@
 #   bash benchmarks/h200_vllm.sh fit              # a short GRPO fit through train.py with engine: vllm
 #   bash benchmarks/h200_vllm.sh bench            # benchmarks/rollout_vllm.py (7B shape, nvfp4 vs bf16)
 #   bash benchmarks/h200_vllm.sh eval             # benchmarks/eval_base.py: GSM8K pass@1 of the three arms
+#   bash benchmarks/h200_vllm.sh evalvllm         # the same through the vLLM engine (one process per arm)
+#   bash benchmarks/h200_vllm.sh fitval           # a vLLM fit with validation in vLLM (sanity check + after step 4)
 # Logs and JSON land in $OUT (the device tool's return folder) or /tmp/out.
 set -u
 OUT=${OUT:-/tmp/out}
@@ -47,6 +49,22 @@ for stage in "$@"; do
       timeout 560 python3 benchmarks/eval_base.py --model $TESTBED --data data/gsm8k/test.jsonl --arms bf16,nvfp4,nf4 \
         --out "$OUT"/eval_base_h200.json > "$OUT"/eval.log 2>&1
       echo "eval exit $?"; grep -v "^INFO\|^DEBUG" "$OUT"/eval.log | tail -12
+      ;;
+    evalvllm)  # issue #7 "works with both engines": the same rows, evaluated in vLLM
+      for arm in nvfp4 bf16 nf4; do
+        timeout 240 python3 benchmarks/eval_base.py --model $TESTBED --data data/gsm8k/test.jsonl --arms $arm \
+          --engine vllm --append --out "$OUT"/eval_base_vllm_h200.json > "$OUT"/evalvllm_$arm.log 2>&1
+        echo "evalvllm $arm exit $?"; grep -v "^INFO\|^DEBUG\|^(EngineCore" "$OUT"/evalvllm_$arm.log | tail -4
+      done
+      ;;
+    fitval)  # validation during a vLLM fit runs in the same vLLM (adapter on, clean norms)
+      rm -rf logs/fitval_vllm
+      timeout 400 python3 train.py fit --config configs/testbed_qwen2.5-coder-0.5b_grpo_nvfp4_vllm.yaml \
+        --model.model $TESTBED --trainer.max_steps 4 --trainer.val_check_interval 4 --trainer.num_sanity_val_steps 1 \
+        --trainer.limit_val_batches 1 --model.eval.max_batch_size 64 --data.prompts_per_step 16 \
+        --trainer.logger.init_args.save_dir logs/fitval_vllm > "$OUT"/fitval.log 2>&1
+      echo "fitval exit $?"; grep -v "^INFO\|^DEBUG\|^(EngineCore" "$OUT"/fitval.log | tail -15
+      python3 benchmarks/tb_scalars.py logs/fitval_vllm --out "$OUT"/fitval_vllm_h200.json | grep -i "val/\|time/" | head -30
       ;;
     fit)
       rm -rf logs/fit_vllm

@@ -104,21 +104,25 @@ class RolloutCallback(L.Callback):
 
     def on_fit_start(self, trainer, pl_module) -> None:
         if self.engine_name == "vllm":
-            self._check_vllm_setup(trainer)
+            self._check_vllm_setup(trainer, pl_module)
         if self.engine is None:  # created lazily: never at import or --print_config
             self.engine = self.make_engine(pl_module)
 
-    def _check_vllm_setup(self, trainer) -> None:
-        """Fail at fit start, not at the first rollout after minutes of loading, when vLLM is missing
-        or the longest prompt + max_new_tokens cannot fit its context."""
+    def _check_vllm_setup(self, trainer, pl_module) -> None:
+        """Fail at fit start, not at the first rollout (or evaluation) after minutes of loading, when
+        vLLM is missing or the longest prompt + max_new_tokens cannot fit its context."""
         if "vllm" not in sys.modules and importlib.util.find_spec("vllm") is None:
             raise ModuleNotFoundError("rollout engine 'vllm' needs vLLM (CUDA): pip install -e '.[vllm]' "
                                       "(or use engine: hf)")
         longest = getattr(trainer.datamodule, "max_prompt_length", None)
         limit = self.vllm.max_model_len
-        if longest is not None and limit is not None and longest + self.sampling.max_new_tokens > limit:
-            raise ValueError(f"data.max_prompt_length={longest} + sampling.max_new_tokens="
-                             f"{self.sampling.max_new_tokens} exceeds vllm.max_model_len={limit}")
+        new_tokens = {"sampling.max_new_tokens": self.sampling.max_new_tokens}
+        evaluation = getattr(pl_module, "eval_settings", None)
+        if evaluation is not None and evaluation.engine == "rollout":  # evaluation runs in this vLLM too
+            new_tokens["model.eval.max_new_tokens"] = evaluation.max_new_tokens
+        for name, count in new_tokens.items():
+            if longest is not None and limit is not None and longest + count > limit:
+                raise ValueError(f"data.max_prompt_length={longest} + {name}={count} exceeds vllm.max_model_len={limit}")
 
     # ------------------------------------------------------------------ the rollout
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:

@@ -1,16 +1,16 @@
 """Evaluation hooks of QeRLModule: pass@1 (greedy) and mean@k / pass@k (sampled) per dataset.
 
 Used by ``python train.py validate|test --config X`` and by periodic validation during ``fit``
-(``trainer.val_check_interval``). Completions come from the embedded rollout engine (``HFEngine``,
-also when training rolls out in vLLM: the policy's own kernels, static cache + CUDA graphs on GPU)
-and are scored by the same math-verify reward as training. AQN noise is off (the AQNCallback disables it
+(``trainer.val_check_interval``). Completions come from the RolloutCallback's engine: the colocated
+vLLM when training rolls out in vLLM (the same instance; ``eval.engine: hf`` opts out), else the
+embedded engine (the policy's own kernels, static cache + CUDA graphs on GPU), and are scored by
+the same math-verify reward as training. AQN noise is off (the AQNCallback disables it
 for validation and test). Per run and stage, a JSON with every completion and a markdown table of
 the metrics are written to ``<log_dir>/eval/<stage>_step<global_step>.{json,md}``.
 """
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 
@@ -25,15 +25,24 @@ class EvaluationMixin:
     """validation_step / test_step for ``QeRLModule`` (expects ``model``, ``tokenizer``, ``eval_settings``)."""
 
     def _eval_engine(self):
-        if getattr(self, "_evaluation_engine", None) is None:
-            from qerl.rollout.hf import HFEngine
+        """The engine that evaluates (chosen and synced at the start of each evaluation): the RolloutCallback's vLLM engine when training rolls out in vLLM
+        (one vLLM per process) unless ``eval.engine: hf``; else an embedded engine of its own batch
+        size. Synced with the clean policy: AQN is off now, so the norm scales are the plain weights."""
+        rollout_cb = next((cb for cb in self.trainer.callbacks if hasattr(cb, "make_engine")), None)
+        if self.eval_settings.engine == "rollout" and getattr(rollout_cb, "engine_name", "hf") == "vllm":
+            if rollout_cb.engine is None:  # validate / test: no fit start made it
+                rollout_cb.on_fit_start(self.trainer, self)
+            engine = rollout_cb.engine
+        else:
+            if getattr(self, "_evaluation_engine", None) is None:
+                from qerl.rollout.hf import HFEngine
 
-            tok = self.tokenizer
-            self._evaluation_engine = HFEngine(stop_token_ids(tok, self.model), tok.pad_token_id,
-                                              self.eval_settings.max_batch_size)
-            self._evaluation_scorer = MathAccuracy()
-        self._evaluation_engine.sync(self.model)
-        return self._evaluation_engine
+                self._evaluation_engine = HFEngine(stop_token_ids(self.tokenizer, self.model),
+                                                  self.tokenizer.pad_token_id, self.eval_settings.max_batch_size)
+            engine = self._evaluation_engine
+        scales = self.noisy_norms.effective_scales() if self.noisy_norms is not None else None
+        engine.sync(self.model, scales, adapter=self.eval_settings.use_adapter)
+        return engine
 
     def _dataset_names(self, stage: str) -> list[str]:
         dm = getattr(self.trainer, "datamodule", None)
@@ -42,21 +51,21 @@ class EvaluationMixin:
 
     def _start_eval(self, stage: str) -> None:
         s = self.eval_settings
+        self._evaluation_scorer = MathAccuracy()
+        self._evaluating_engine = self._eval_engine()  # synced once per evaluation
         self._eval_metrics = {name: PassAtK(s.samples, s.pass_k).to(self.device) for name in self._dataset_names(stage)}
         self._eval_records = {name: [] for name in self._eval_metrics}
 
     def _eval_step(self, batch: dict, batch_idx: int, dataloader_idx: int, stage: str) -> None:
         s, tok = self.eval_settings, self.tokenizer
         name = list(self._eval_metrics)[dataloader_idx]
-        engine, scorer = self._eval_engine(), self._evaluation_scorer
-        adapter_off = self.model.disable_adapter() if not s.use_adapter else contextlib.nullcontext()
+        engine, scorer = self._evaluating_engine, self._evaluation_scorer
         seed = 10_007 * (batch_idx + 1) + dataloader_idx
-        with adapter_off:
-            greedy = engine.generate(batch["prompt_ids"], 1, SamplingSettings(0.0, 1.0, 0, s.max_new_tokens), seed)
-            sampled = None
-            if s.samples > 0:
-                sampling = SamplingSettings(s.temperature, s.top_p, 0, s.max_new_tokens)
-                sampled = engine.generate(batch["prompt_ids"], s.samples, sampling, seed)
+        greedy = engine.generate(batch["prompt_ids"], 1, SamplingSettings(0.0, 1.0, 0, s.max_new_tokens), seed)
+        sampled = None
+        if s.samples > 0:
+            sampling = SamplingSettings(s.temperature, s.top_p, 0, s.max_new_tokens)
+            sampled = engine.generate(batch["prompt_ids"], s.samples, sampling, seed)
         answers = list(batch["answers"])
         greedy_text = tok.batch_decode(greedy.completion_ids, skip_special_tokens=True)
         greedy_ok = torch.tensor(scorer(greedy_text, answers))  # (P,)

@@ -116,6 +116,8 @@ class EvalSettings:
         max_new_tokens: completion cap for every evaluation completion.
         use_adapter: False evaluates the base model alone (the "before" row of a table).
         max_batch_size: sequences decoded together by the embedded engine.
+        engine: rollout (the RolloutCallback's engine: vLLM when training rolls out in vLLM, the
+            embedded engine otherwise or without a RolloutCallback) or hf (always the embedded engine).
     """
 
     samples: int = 0
@@ -125,6 +127,7 @@ class EvalSettings:
     max_new_tokens: int = 1024
     use_adapter: bool = True
     max_batch_size: int = 64
+    engine: Literal["rollout", "hf"] = "rollout"
 
 
 def lr_factor(step: int, total: int, warmup_ratio: float, schedule: str) -> float:

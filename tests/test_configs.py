@@ -65,7 +65,10 @@ def test_vllm_recipe_parses_without_importing_vllm(tmp_path, monkeypatch):
     cli = main(["--config", str(path), "--trainer.accelerator", "cpu"], run=False)
     rollout = next(cb for cb in cli.trainer.callbacks if type(cb).__name__ == "RolloutCallback")
     assert rollout.engine_name == "vllm" and rollout.engine is None  # the engine starts at fit, not at parse
-    assert rollout.vllm.gpu_memory_utilization == 0.3 and rollout.vllm.max_model_len == 1024 and rollout.vllm.sleep
+    assert rollout.vllm.gpu_memory_utilization == 0.3 and rollout.vllm.sleep
+    # the context holds the longest prompt + the longer of the training and evaluation completions
+    longest = cli.datamodule.max_prompt_length
+    assert rollout.vllm.max_model_len >= longest + max(rollout.sampling.max_new_tokens, cli.model.eval_settings.max_new_tokens)
     aqn = next(cb for cb in cli.trainer.callbacks if type(cb).__name__ == "AQNCallback")
     assert aqn.scale_precision == "bf16"  # noise survives vLLM's bf16 norms
     assert "vllm" not in sys.modules

@@ -80,23 +80,23 @@ def test_validate_on_quickstart_logs_pass_at_1_and_writes_report(tmp_path, monke
 
 
 def _record_eval_generations(monkeypatch) -> list[dict]:
-    """Wrap the evaluation engine's generate: per call, was AQN noise active and was LoRA on?"""
+    """Wrap the embedded engine's decode of a chunk: per call, was AQN noise active and was LoRA on?"""
     from peft.tuners.lora import LoraLayer
 
     from qerl.rollout.hf import HFEngine
 
-    seen, original = [], HFEngine.generate
+    seen, original = [], HFEngine._generate_chunk
 
-    def generate(self, prompt_ids, n, sampling, seed):
+    def generate_chunk(self, prompts, sampling, gen, static=None):
         model = self.model
         lora = [m for m in model.modules() if isinstance(m, LoraLayer)]
         norms = [m for m in model.modules() if hasattr(m, "aqn_active")]
         seen.append({"noise": any(m.aqn_active for m in norms), "noisy_norms": len(norms),
                      "sigma": max((float(m.aqn_noise.abs().max()) for m in norms), default=0.0),
                      "lora_on": bool(lora) and not any(m.disable_adapters for m in lora)})
-        return original(self, prompt_ids, n, sampling, seed)
+        return original(self, prompts, sampling, gen, static)
 
-    monkeypatch.setattr(HFEngine, "generate", generate)
+    monkeypatch.setattr(HFEngine, "_generate_chunk", generate_chunk)
     return seen
 
 

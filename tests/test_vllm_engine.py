@@ -6,13 +6,16 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import math
 import sys
 import types
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
 
+from lightning_modules.qerl_module import EvalSettings
 from qerl.aqn import attach_noisy_norms
 from qerl.model import LoraSettings, load_policy
 from qerl.rollout import SamplingSettings
@@ -321,9 +324,72 @@ def test_callback_checks_the_vllm_setup_at_fit_start(monkeypatch):
     with pytest.raises(ModuleNotFoundError, match=r"pip install -e '\.\[vllm\]'"):
         cb.on_fit_start(trainer, None)
     monkeypatch.setitem(sys.modules, "vllm", types.ModuleType("vllm"))
-    with pytest.raises(ValueError, match="max_prompt_length=200 .* exceeds vllm.max_model_len=256"):
+    with pytest.raises(ValueError, match=r"max_prompt_length=200 \+ sampling.max_new_tokens=100 exceeds vllm.max_model_len=256"):
         cb.on_fit_start(trainer, None)
-    assert cb.engine is None
+    cb.vllm.max_model_len = 300  # training fits; evaluation in this vLLM (eval.engine: rollout) must fit too
+    module = SimpleNamespace(eval_settings=EvalSettings(max_new_tokens=200))
+    with pytest.raises(ValueError, match=r"model.eval.max_new_tokens=200 exceeds vllm.max_model_len=300"):
+        cb.on_fit_start(trainer, module)
+    module.eval_settings.engine = "hf"  # evaluation in the embedded engine: vLLM's context does not matter
+    monkeypatch.setattr(cb, "make_engine", lambda pl_module: "engine")
+    cb.on_fit_start(trainer, module)
+    assert cb.engine == "engine"
+
+
+def _vllm_config(tmp_path, steps, *extra):
+    """The quickstart (shortened) with ``RolloutCallback(engine: vllm)`` and bf16 AQN scales."""
+    import yaml
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from test_cli import fast_args
+
+    args = fast_args(tmp_path, steps)
+    cfg = yaml.safe_load(Path(args[1]).read_text())
+    for cb in cfg["trainer"]["callbacks"]:
+        if cb["class_path"].endswith("RolloutCallback"):
+            cb["init_args"].update(engine="vllm", vllm={"export_dir": f"{tmp_path}/export", "max_model_len": 512})
+        if cb["class_path"].endswith("AQNCallback"):
+            cb["init_args"]["scale_precision"] = "bf16"
+    Path(args[1]).write_text(yaml.safe_dump(cfg))
+    return [args[0], args[1], *extra]
+
+
+def _record_vllm_requests(monkeypatch) -> list[dict]:
+    """Per FakeLLM.generate call: greedy or sampled, with or without the adapter, the norm vLLM runs."""
+    seen, original = [], FakeLLM.generate
+
+    def generate(self, prompts, params, lora_request=None, use_tqdm=True):
+        norm = dict(self.model.named_parameters())["model.layers.0.input_layernorm.weight"]
+        seen.append({"greedy": params[0].temperature == 0, "lora": lora_request is not None,
+                     "norm": norm.detach().float().clone()})
+        return original(self, prompts, params, lora_request, use_tqdm)
+
+    monkeypatch.setattr(FakeLLM, "generate", generate)
+    return seen
+
+
+def test_evaluation_runs_in_the_rollout_vllm_engine(fake_vllm, tmp_path, monkeypatch):
+    """validate/test and periodic validation during fit generate in the RolloutCallback's vLLM (the
+    same instance as training), greedy + sampled, adapter as configured, with the clean norms."""
+    from train import main
+
+    monkeypatch.chdir(tmp_path)
+    seen = _record_vllm_requests(monkeypatch)
+    cli = main(["validate", *_vllm_config(tmp_path / "a", 2, "--model.eval.use_adapter=false")])
+    assert len(fake_vllm) == 1 and math.isfinite(float(cli.trainer.callback_metrics["val/arithmetic/pass@1"]))
+    assert [g["greedy"] for g in seen] == [True, False] * (len(seen) // 2) and seen  # per batch: greedy, sampled
+    assert not any(g["lora"] for g in seen)  # the base alone
+
+    seen.clear()
+    cli = main(["fit", *_vllm_config(tmp_path / "b", 2, "--trainer.val_check_interval=2")])
+    assert len(fake_vllm) == 2  # one more vLLM for the fit: training and validation share it
+    train, evals = seen[:2], seen[2:]
+    assert [g["greedy"] for g in seen] == [False, False] + [True, False] * (len(evals) // 2) and evals
+    assert all(g["lora"] for g in seen)
+    plain = cli.model.model.get_parameter("base_model.model.model.layers.0.input_layernorm.weight").detach().float()
+    assert not torch.equal(train[1]["norm"], plain)  # step 1 rolled out with AQN noise (sigma_start)...
+    assert all(torch.equal(g["norm"], plain.to(torch.bfloat16).float()) for g in evals)  # ...validation without
+    assert (Path(cli.trainer.log_dir) / "eval" / "val_step2.json").exists()
 
 
 # ----------------------------------------------------------------------------- real vLLM (H200)

@@ -50,12 +50,14 @@ class Generation:
 
 class RolloutEngine:
     """Interface. ``sync`` pushes the current policy (LoRA weights and, with AQN, the noisy norm
-    scales) into the engine; ``generate`` samples; ``sleep``/``wake`` free and restore its memory.
-    ``last_sync`` holds the seconds of the last ``sync``'s parts (logged as ``time/sync/<part>``)."""
+    scales) into the engine; ``adapter=False`` makes the following ``generate`` calls run the base
+    model alone (evaluation's "before" row). ``generate`` samples; ``sleep``/``wake`` free and restore
+    its memory. ``last_sync`` holds the seconds of the last ``sync``'s parts (``time/sync/<part>``)."""
 
     last_sync: dict[str, float] = {}  # an engine assigns its own dict; never mutated in place
 
-    def sync(self, model: torch.nn.Module, norm_scales: dict[str, torch.Tensor] | None = None) -> None:
+    def sync(self, model: torch.nn.Module, norm_scales: dict[str, torch.Tensor] | None = None,
+             adapter: bool = True) -> None:
         raise NotImplementedError
 
     def generate(

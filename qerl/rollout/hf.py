@@ -17,6 +17,7 @@ the adapter of the step are in place, so it always runs the current policy.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 import warnings
@@ -185,10 +186,12 @@ class HFEngine(RolloutEngine):
         self.max_batch_size = max_batch_size
         self.cuda_graphs = cuda_graphs
         self.model: torch.nn.Module | None = None
+        self.adapter = True
 
-    def sync(self, model: torch.nn.Module, norm_scales: dict[str, torch.Tensor] | None = None) -> None:
+    def sync(self, model: torch.nn.Module, norm_scales: dict[str, torch.Tensor] | None = None,
+             adapter: bool = True) -> None:
         # Same weights, same noisy norms: nothing to copy, just remember the model.
-        self.model = model
+        self.model, self.adapter = model, adapter
 
     @torch.no_grad()
     def generate(self, prompt_ids: list[list[int]], n: int, sampling: SamplingSettings, seed: int) -> Generation:
@@ -203,12 +206,14 @@ class HFEngine(RolloutEngine):
         out = Generation([], [], [])
         was_training = self.model.training
         self.model.eval()
+        adapter_off = self.model.disable_adapter() if not self.adapter else contextlib.nullcontext()
         try:
-            for lo in range(0, len(repeated), self.max_batch_size):
-                chunk = self._generate_chunk(repeated[lo: lo + self.max_batch_size], sampling, gen)
-                out.completion_ids += chunk.completion_ids
-                out.sampler_logprobs += chunk.sampler_logprobs
-                out.finish_reasons += chunk.finish_reasons
+            with adapter_off:
+                for lo in range(0, len(repeated), self.max_batch_size):
+                    chunk = self._generate_chunk(repeated[lo: lo + self.max_batch_size], sampling, gen)
+                    out.completion_ids += chunk.completion_ids
+                    out.sampler_logprobs += chunk.sampler_logprobs
+                    out.finish_reasons += chunk.finish_reasons
         finally:
             self.model.train(was_training)
         out.timings["generate"] = time.perf_counter() - start

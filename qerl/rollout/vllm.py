@@ -23,6 +23,9 @@ Manual (``engine: vllm`` in ``RolloutCallback``, settings under ``vllm:`` = :cla
   (public API only), as it does automatically when the in-memory loader cannot be installed
   (a vLLM whose private worker API moved; ``qerl/rollout/vllm_worker.py``). Either way an adapter
   module vLLM would not apply (e.g. ``lm_head``) is an error, not a silently different policy.
+* **Evaluation.** ``sync(model, clean_scales, adapter=False)`` serves the base alone (requests
+  carry no ``LoRARequest``); validation during ``fit`` and ``validate``/``test`` reuse this engine
+  (one vLLM per process), with the clean norm scales pushed, so no AQN noise leaks into evaluation.
 * **Limits.** prompt + ``max_new_tokens`` beyond vLLM's ``max_model_len`` is an error (vLLM would
   refuse the prompt or cut the completion short); vLLM's start leaves the trainer's RNG as it was.
 * **Sampler log-probs.** vLLM's ``processed_logprobs`` are log softmax(logits / T) of the sampled
@@ -208,7 +211,7 @@ class VLLMEngine(RolloutEngine):
         self.export_dir: Path | None = None
         self._tmp: tempfile.TemporaryDirectory | None = None
         self._adapters: dict[int, tuple[dict, dict]] = {}  # read by the loader inside vLLM
-        self._lora_id, self._lora_request = 0, None
+        self._lora_id, self._lora_request, self._synced = 0, None, False
         self._asleep: set[str] = set()
         self._use_disk = self.settings.adapter_via_disk
         self._warned_truncation = False
@@ -319,13 +322,18 @@ class VLLMEngine(RolloutEngine):
                             "trainable norms in bf16", self.norm_cast_error)
                 self._warned_rounding = True
 
-    def sync(self, model: nn.Module, norm_scales: dict[str, torch.Tensor] | None = None) -> None:
+    @torch.inference_mode(False)  # validate/test run under inference mode: exporting the base cannot
+    def sync(self, model: nn.Module, norm_scales: dict[str, torch.Tensor] | None = None, adapter: bool = True) -> None:
         t0 = time.perf_counter()
         if self.llm is None:
             self._start(model)
         t1 = time.perf_counter()
         self.wake(["weights"])  # write weights only into mapped memory
-        self._push_adapter(model)
+        if adapter:
+            self._push_adapter(model)
+        else:  # the base alone: requests go without a LoRARequest (the last adapter stays loaded, unused)
+            self._lora_request = None
+        self._synced = True
         t2 = time.perf_counter()
         self._push_norms(model, norm_scales)
         if self.llm.reset_prefix_cache() is False:  # cache keys hold the adapter name only, not the norms
@@ -333,7 +341,7 @@ class VLLMEngine(RolloutEngine):
         self.last_sync = {"start": t1 - t0, "adapter": t2 - t1, "norms": time.perf_counter() - t2}
 
     def generate(self, prompt_ids: list[list[int]], n: int, sampling: SamplingSettings, seed: int) -> Generation:
-        if self.llm is None or self._lora_request is None:
+        if self.llm is None or not self._synced:
             raise RuntimeError("VLLMEngine.generate called before sync(model)")
         from vllm import SamplingParams
 
