@@ -266,6 +266,33 @@ def test_engine_greedy_repeats_prompts_and_trainable_norms(fake_vllm, tmp_path):
     assert gen.completion_ids == [[7, 2]] * 3 + [[8, 2]] * 3
 
 
+def test_adapter_via_disk_uses_two_tmpfs_slots_and_removes_them(fake_vllm, tmp_path, monkeypatch):
+    import gc
+
+    from safetensors.torch import load_file
+
+    model, tok = _policy()
+    engine = VLLMEngine([tok.eos_token_id], VLLMSettings(export_dir=str(tmp_path), adapter_via_disk=True), tokenizer=tok)
+    paths, init = [], FakeLLM.__init__
+
+    def init_with_file_loader(self, **kwargs):  # vLLM's own loader reads the slot (the fake's fails)
+        init(self, **kwargs)
+        self.worker.model_runner.lora_manager._load_adapter = lambda req: paths.append(req.lora_path)
+
+    monkeypatch.setattr(FakeLLM, "__init__", init_with_file_loader)
+    for _ in range(3):
+        engine.sync(model)
+    assert "collective_rpc" not in fake_vllm[0].calls  # no in-memory loader installed
+    assert len(set(paths)) == 2 and paths[0] == paths[2] != paths[1]  # alternating slots, never the loaded one
+    for path in set(paths):
+        tensors = load_file(f"{path}/adapter_model.safetensors")
+        assert set(tensors) == set(adapter_tensors(model))
+        assert json.loads(Path(f"{path}/adapter_config.json").read_text())["r"] == 4
+    del engine
+    gc.collect()
+    assert not any(Path(p).exists() for p in paths)  # tmpfs is RAM: the slots go with the engine
+
+
 def test_unexpected_lora_modules_are_named():
     expected = {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"}
     names = ["base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight",

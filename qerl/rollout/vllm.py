@@ -51,8 +51,10 @@ import hashlib
 import json
 import logging
 import os
+import shutil
 import tempfile
 import time
+import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -304,7 +306,9 @@ class VLLMEngine(RolloutEngine):
 
         root = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(tempfile.gettempdir())
         out = root / f"qerl-adapter-{os.getpid()}-{self._lora_id % 2}"  # two slots: never the loaded one
-        out.mkdir(parents=True, exist_ok=True)
+        if not out.is_dir():  # tmpfs is RAM: the slots go when the engine does, or at exit
+            out.mkdir(parents=True)
+            weakref.finalize(self, shutil.rmtree, str(out), True)
         save_file(tensors, str(out / "adapter_model.safetensors"), metadata={"format": "pt"})
         (out / "adapter_config.json").write_text(json.dumps(config))
         return out
