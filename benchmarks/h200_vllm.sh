@@ -51,7 +51,7 @@ for stage in "$@"; do
       echo "eval exit $?"; grep -v "^INFO\|^DEBUG" "$OUT"/eval.log | tail -12
       ;;
     evalvllm)  # issue #7 "works with both engines": the same rows, evaluated in vLLM
-      for arm in nvfp4 bf16 nf4; do
+      for arm in ${EVAL_ARMS:-nvfp4 bf16 nf4}; do
         timeout 240 python3 benchmarks/eval_base.py --model $TESTBED --data data/gsm8k/test.jsonl --arms $arm \
           --engine vllm --append --out "$OUT"/eval_base_vllm_h200.json > "$OUT"/evalvllm_$arm.log 2>&1
         echo "evalvllm $arm exit $?"; grep -v "^INFO\|^DEBUG\|^(EngineCore" "$OUT"/evalvllm_$arm.log | tail -4
