@@ -41,9 +41,13 @@ for stage in "$@"; do
         --out "$OUT"/vllm_parity_h200.json > "$OUT"/parity.log 2>&1; echo "parity exit $?"
       grep -v "^INFO\|^DEBUG" "$OUT"/parity.log | tail -25
       ;;
-    gputest)
-      timeout 300 python3 -m pytest -q -m gpu tests/test_vllm_engine.py tests/test_rollout_hf.py > "$OUT"/gputest.log 2>&1
-      echo "gputest exit $?"; tail -5 "$OUT"/gputest.log
+    gputest)  # one process per file: with vLLM and the deliberately failed CUDA-graph capture of
+      # test_rollout_hf in one process, all tests pass but the process aborts at exit
+      # (captures_underway.empty(), CUDACachingAllocator); each file alone exits cleanly
+      for f in tests/test_vllm_engine.py tests/test_rollout_hf.py; do
+        timeout 200 python3 -m pytest -q -m gpu $f > "$OUT"/gputest_$(basename $f .py).log 2>&1
+        echo "gputest $f exit $?"; tail -1 "$OUT"/gputest_$(basename $f .py).log
+      done
       ;;
     eval)  # issue #7's base-model rows: GSM8K test, greedy, three arms (needs the deps bundle for nf4)
       timeout 560 python3 benchmarks/eval_base.py --model $TESTBED --data data/gsm8k/test.jsonl --arms bf16,nvfp4,nf4 \
@@ -57,14 +61,15 @@ for stage in "$@"; do
         echo "evalvllm $arm exit $?"; grep -v "^INFO\|^DEBUG\|^(EngineCore" "$OUT"/evalvllm_$arm.log | tail -4
       done
       ;;
-    fitval)  # validation during a vLLM fit runs in the same vLLM (adapter on, clean norms)
+    fitval)  # validation in the same vLLM (sanity check, then after 2 rollout batches = 4 optimizer steps)
       rm -rf logs/fitval_vllm
       timeout 400 python3 train.py fit --config configs/testbed_qwen2.5-coder-0.5b_grpo_nvfp4_vllm.yaml \
-        --model.model $TESTBED --trainer.max_steps 4 --trainer.val_check_interval 4 --trainer.num_sanity_val_steps 1 \
+        --model.model $TESTBED --trainer.max_steps 4 --trainer.val_check_interval 2 --trainer.num_sanity_val_steps 1 \
         --trainer.limit_val_batches 1 --model.eval.max_batch_size 64 --data.prompts_per_step 16 \
         --trainer.logger.init_args.save_dir logs/fitval_vllm > "$OUT"/fitval.log 2>&1
       echo "fitval exit $?"; grep -v "^INFO\|^DEBUG\|^(EngineCore" "$OUT"/fitval.log | tail -15
-      python3 benchmarks/tb_scalars.py logs/fitval_vllm --out "$OUT"/fitval_vllm_h200.json | grep -i "val/\|time/" | head -30
+      python3 benchmarks/tb_scalars.py logs/fitval_vllm --out "$OUT"/fitval_vllm_h200.json | tail -8
+      for f in logs/fitval_vllm/*/version_*/eval/*.md; do echo "$f"; cat "$f"; done
       ;;
     fit)
       rm -rf logs/fit_vllm

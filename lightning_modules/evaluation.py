@@ -11,6 +11,7 @@ the metrics are written to ``<log_dir>/eval/<stage>_step<global_step>.{json,md}`
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 
@@ -53,6 +54,8 @@ class EvaluationMixin:
         s = self.eval_settings
         self._evaluation_scorer = MathAccuracy()
         self._evaluating_engine = self._eval_engine()  # synced once per evaluation
+        self._engine_awake = contextlib.ExitStack()  # vLLM: no sleep between batches, once after
+        self._engine_awake.enter_context(self._evaluating_engine.awake())
         self._eval_metrics = {name: PassAtK(s.samples, s.pass_k).to(self.device) for name in self._dataset_names(stage)}
         self._eval_records = {name: [] for name in self._eval_metrics}
 
@@ -83,6 +86,7 @@ class EvaluationMixin:
             })
 
     def _end_eval(self, stage: str) -> None:
+        self._engine_awake.close()
         self.log("step", float(self.global_step), on_step=False, on_epoch=True, batch_size=1)  # x-axis: optimizer steps
         results = {}
         for name, metric in self._eval_metrics.items():

@@ -106,5 +106,6 @@ def test_capture_failure_falls_back_to_eager_gpu(caplog):
     # the failed capture left nothing behind: default stream current, allocator usable and releasable
     assert torch.cuda.current_stream() == torch.cuda.default_stream()
     torch.empty(1 << 20, device="cuda").sum().item()
+    torch.rand(8, device="cuda").sum().item()  # the default CUDA generator is no longer "capturing"
     torch.cuda.synchronize()
     torch.cuda.empty_cache()

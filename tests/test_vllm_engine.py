@@ -406,6 +406,8 @@ def test_evaluation_runs_in_the_rollout_vllm_engine(fake_vllm, tmp_path, monkeyp
     assert len(fake_vllm) == 1 and math.isfinite(float(cli.trainer.callback_metrics["val/arithmetic/pass@1"]))
     assert [g["greedy"] for g in seen] == [True, False] * (len(seen) // 2) and seen  # per batch: greedy, sampled
     assert not any(g["lora"] for g in seen)  # the base alone
+    calls = fake_vllm[0].calls
+    assert calls.count("sleep:1") == 1 and calls[-1] == "sleep:1"  # awake across batches, asleep after
 
     seen.clear()
     cli = main(["fit", *_vllm_config(tmp_path / "b", 2, "--trainer.val_check_interval=2")])

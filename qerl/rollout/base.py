@@ -6,6 +6,7 @@ never move it between devices or put it into a checkpoint. The ``RolloutCallback
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
 
 import torch
@@ -67,6 +68,11 @@ class RolloutEngine:
 
     def sleep(self) -> None:  # optional
         pass
+
+    @contextlib.contextmanager
+    def awake(self):
+        """Stay awake across the ``generate`` calls inside (an evaluation's batches); sleep after."""
+        yield
 
     def wake(self) -> None:  # optional
         pass

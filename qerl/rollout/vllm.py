@@ -214,6 +214,7 @@ class VLLMEngine(RolloutEngine):
         self._tmp: tempfile.TemporaryDirectory | None = None
         self._adapters: dict[int, tuple[dict, dict]] = {}  # read by the loader inside vLLM
         self._lora_id, self._lora_request, self._synced = 0, None, False
+        self._hold_awake = False
         self._asleep: set[str] = set()
         self._use_disk = self.settings.adapter_via_disk
         self._warned_truncation = False
@@ -278,6 +279,17 @@ class VLLMEngine(RolloutEngine):
         self.wake()  # half awake (after sync, before generate): vLLM sleeps only from fully awake
         self.llm.sleep(level=1)  # level 1 keeps the base on the host; level 2 would drop it
         self._asleep = {"weights", "kv_cache"}
+
+    @contextlib.contextmanager
+    def awake(self):
+        """No sleep between the ``generate`` calls inside (evaluation batches): sleeping offloads the
+        weights to the host and back every call. Sleeps once at the end."""
+        self._hold_awake = True
+        try:
+            yield
+        finally:
+            self._hold_awake = False
+            self.sleep()
 
     # -- per step
     def _push_adapter(self, model: nn.Module) -> None:
@@ -372,6 +384,7 @@ class VLLMEngine(RolloutEngine):
         outputs = self.llm.generate(prompts, params, lora_request=self._lora_request, use_tqdm=False)
         gen = outputs_to_generation(outputs)
         t1 = time.perf_counter()
-        self.sleep()
+        if not self._hold_awake:
+            self.sleep()
         gen.timings = {"wake": t0 - start, "generate": t1 - t0, "sleep": time.perf_counter() - t1}
         return gen
