@@ -22,6 +22,33 @@ from qerl.rewards import MathAccuracy, extract_answer
 from qerl.rollout import SamplingSettings, stop_token_ids
 
 
+def gather_records(records: dict[str, list[dict]]) -> dict[str, list[dict]]:
+    """Under DDP each rank evaluated a shard: every rank's completion records, each problem once
+    (the distributed sampler repeats a few to even out the shards), in dataset order. A collective:
+    every rank calls it. Without a process group, ``records`` as they are."""
+    dist = torch.distributed
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return records
+    parts = [None] * dist.get_world_size()
+    dist.all_gather_object(parts, records)
+    return merge_records(parts)
+
+
+def merge_records(parts: list[dict[str, list[dict]]]) -> dict[str, list[dict]]:
+    """Per dataset, the rows of all parts, a problem (by ``index``, else prompt + gold) once, by index."""
+    merged = {}
+    for name in parts[0]:
+        rows, seen = [], set()
+        for part in parts:
+            for row in part[name]:
+                key = row["index"] if row["index"] is not None else (row["prompt"], row["gold"])
+                if key not in seen:
+                    seen.add(key)
+                    rows.append(row)
+        merged[name] = sorted(rows, key=lambda r: -1 if r["index"] is None else r["index"])
+    return merged
+
+
 class EvaluationMixin:
     """validation_step / test_step for ``QeRLModule`` (expects ``model``, ``tokenizer``, ``eval_settings``)."""
 
@@ -88,6 +115,7 @@ class EvaluationMixin:
     def _end_eval(self, stage: str) -> None:
         self._engine_awake.close()
         self.log("step", float(self.global_step), on_step=False, on_epoch=True, batch_size=1)  # x-axis: optimizer steps
+        self._eval_records = gather_records(self._eval_records)
         results = {}
         for name, metric in self._eval_metrics.items():
             values = {k: float(v) for k, v in metric.compute().items()}

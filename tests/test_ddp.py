@@ -4,6 +4,7 @@ The frozen NVFP4 base is not broadcast (each rank builds it from ``model``; NVFP
 go into DDP's flat buckets): only LoRA is synced. After training, both ranks must hold the same
 LoRA weights, and those must have moved."""
 
+import json
 import os
 import subprocess
 import sys
@@ -46,3 +47,7 @@ def test_ddp_two_cpu_ranks_train_the_same_lora(tmp_path):
         assert torch.equal(rank0[name], rank1[name]), name
     assert any(rank0[n].abs().max() > 0 for n in rank0 if "lora_B" in n)  # B starts at 0: it trained
     assert list((tmp_path / "logs").glob("*/version_0/adapter/adapter_config.json"))  # rank 0 wrote it
+    # each rank validated half of the 8 problems; the report lists all of them, once, in order
+    report = json.loads(next((tmp_path / "logs").glob("*/version_0/eval/val_step2.json")).read_text())
+    indices = [row["index"] for row in report["completions"]["arithmetic"]]
+    assert indices == list(range(8)) and report["metrics"]["arithmetic"]["problems"] == 8

@@ -66,6 +66,17 @@ def test_pass_at_1_stays_greedy_and_pass_k_from_more_samples():
         PassAtK(k=4, pass_k=[8])
 
 
+def test_merge_records_of_ranks_keeps_each_problem_once_in_order():
+    from lightning_modules.evaluation import merge_records
+
+    row = lambda i, correct: {"index": i, "prompt": f"p{i}", "gold": "1", "correct": correct}  # noqa: E731
+    # DistributedSampler over 5 problems, 2 ranks: rank 0 gets 0, 2, 4; rank 1 gets 1, 3 and 0 again (padding)
+    parts = [{"gsm8k": [row(0, True), row(2, False), row(4, True)]},
+             {"gsm8k": [row(1, False), row(3, True), row(0, True)]}]
+    merged = merge_records(parts)["gsm8k"]
+    assert [r["index"] for r in merged] == [0, 1, 2, 3, 4] and [r["correct"] for r in merged] == [True, False, False, True, True]
+
+
 def test_validate_on_quickstart_logs_pass_at_1_and_writes_report(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     cli = main(["validate", *fast_args(tmp_path, 2)])
