@@ -53,9 +53,11 @@ class EvaluationMixin:
     """validation_step / test_step for ``QeRLModule`` (expects ``model``, ``tokenizer``, ``eval_settings``)."""
 
     def _eval_engine(self):
-        """The engine that evaluates (chosen and synced at the start of each evaluation): the RolloutCallback's vLLM engine when training rolls out in vLLM
-        (one vLLM per process) unless ``eval.engine: hf``; else an embedded engine of its own batch
-        size. Synced with the clean policy: AQN is off now, so the norm scales are the plain weights."""
+        """The engine that evaluates, chosen and synced at the start of each evaluation: the
+        RolloutCallback's vLLM engine when training rolls out in vLLM (one vLLM per process) unless
+        ``eval.engine: hf``; else an embedded engine of its own batch size (CUDA graphs as the
+        RolloutCallback sets them). Synced with the clean policy: AQN is off now, so the norm
+        scales are the plain weights."""
         rollout_cb = next((cb for cb in self.trainer.callbacks if hasattr(cb, "make_engine")), None)
         if self.eval_settings.engine == "rollout" and getattr(rollout_cb, "engine_name", "hf") == "vllm":
             if rollout_cb.engine is None:  # validate / test: no fit start made it
@@ -66,7 +68,8 @@ class EvaluationMixin:
                 from qerl.rollout.hf import HFEngine
 
                 self._evaluation_engine = HFEngine(stop_token_ids(self.tokenizer, self.model),
-                                                  self.tokenizer.pad_token_id, self.eval_settings.max_batch_size)
+                                                  self.tokenizer.pad_token_id, self.eval_settings.max_batch_size,
+                                                  cuda_graphs=getattr(rollout_cb, "cuda_graphs", True))
             engine = self._evaluation_engine
         scales = self.noisy_norms.effective_scales() if self.noisy_norms is not None else None
         engine.sync(self.model, scales, adapter=self.eval_settings.use_adapter)
