@@ -25,8 +25,10 @@ rate-limited warning), and bounds each parse/verify with a wall-clock deadline (
 
 from __future__ import annotations
 
+import functools
 import logging
 import signal
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -77,6 +79,8 @@ def _deadline(fn: Callable[[], _T], seconds: float) -> _T:
     if seconds <= 0 or not _can_use_alarm():
         return fn()
     old_handler = signal.signal(signal.SIGALRM, _raise_deadline)
+    old_hook = sys.unraisablehook
+    sys.unraisablehook = functools.partial(_drop_deadline_unraisable, old_hook)
     try:
         try:
             # Re-fires every 50 ms after the deadline in case some library code swallows the first
@@ -90,6 +94,16 @@ def _deadline(fn: Callable[[], _T], seconds: float) -> _T:
         raise TimeoutError(f"exceeded {seconds:.2f}s") from None
     finally:
         signal.signal(signal.SIGALRM, old_handler)
+        sys.unraisablehook = old_hook
+
+
+def _drop_deadline_unraisable(previous_hook: Callable[[Any], None], unraisable: Any) -> None:
+    """``sys.unraisablehook`` while a deadline is armed. A signal that lands inside a finalizer
+    (``__del__``, a generator closed by the garbage collector) cannot propagate: Python reports it
+    as "unraisable" and goes on. That one is expected and dropped (the timer re-fires 50 ms later in
+    ordinary code); anything else goes to the previous hook."""
+    if not isinstance(unraisable.exc_value, _DeadlineExceeded):
+        previous_hook(unraisable)
 
 
 class _DropTimeoutDisabledWarning(logging.Filter):

@@ -6,6 +6,7 @@ Rows below are copied from GSM8K test / MATH500 (CI has no /work/shared data dir
 
 from __future__ import annotations
 
+import signal
 import threading
 import time
 
@@ -206,6 +207,39 @@ def test_adversarial_bounded_and_never_raises() -> None:
     assert reward.last_components["accuracy"] == [0.0] * len(ADVERSARIAL)
     # Per completion at most ~timeout_s; the cheap ones take milliseconds.
     assert elapsed < 8.0, f"adversarial batch took {elapsed:.1f}s"
+
+
+def test_deadline_inside_a_finalizer_is_not_reported_as_unraisable(monkeypatch) -> None:
+    """The alarm can land in a ``__del__`` (or a generator the GC closes), where it cannot propagate:
+    Python hands it to ``sys.unraisablehook`` (pytest's fails the test, CI once did) and the timer's
+    re-fire ends the call. Other unraisable exceptions still reach the previous hook."""
+    import sys
+
+    from qerl.rewards import _deadline
+
+    seen = []
+    monkeypatch.setattr(sys, "unraisablehook", lambda u: seen.append(type(u.exc_value).__name__))
+
+    class SlowFinalizer:
+        def __del__(self):
+            t0 = time.monotonic()
+            while time.monotonic() - t0 < 0.2:  # the 0.05 s deadline fires in here
+                pass
+
+    class BrokenFinalizer:
+        def __del__(self):
+            raise KeyError("not ours")
+
+    def work():
+        SlowFinalizer()  # finalized at once (refcount 0)
+        BrokenFinalizer()
+        while True:  # the re-fire stops this loop
+            pass
+
+    with pytest.raises(TimeoutError):
+        _deadline(work, 0.05)
+    assert seen == ["KeyError"] and sys.unraisablehook is not None
+    assert signal.getitimer(signal.ITIMER_REAL)[0] == 0.0
 
 
 def test_non_string_inputs_score_zero() -> None:
