@@ -59,6 +59,23 @@ def test_static_decoder_equals_dynamic_and_the_trainer(attn):
             assert torch.allclose(ref, torch.tensor(lp), atol=1e-4), (i, ref, lp)
 
 
+def test_truncated_sampling_returns_the_log_probs_it_sampled_from():
+    """top-k / top-p: the sampler log-prob is over the renormalised kept set (vLLM's
+    processed_logprobs), so the trainer/sampler ratio carries the truncation."""
+    model, tok = _policy()
+    engine = HFEngine(stop_token_ids=[tok.eos_token_id], pad_token_id=tok.pad_token_id, max_batch_size=8)
+    top1 = _generate(engine, model, SamplingSettings(temperature=1.0, top_k=1, max_new_tokens=8), 0, static=False)
+    greedy = _generate(engine, model, SamplingSettings(temperature=0.0, max_new_tokens=8), 0, static=False)
+    assert top1.completion_ids == greedy.completion_ids  # top-1 sampling is greedy ...
+    assert all(lp == 0.0 for row in top1.sampler_logprobs for lp in row)  # ... and sure of every token
+    nucleus = _generate(engine, model, SamplingSettings(temperature=1.0, top_p=0.5, max_new_tokens=8), 1, static=False)
+    for i, (c, lp) in enumerate(zip(nucleus.completion_ids, nucleus.sampler_logprobs)):
+        full = _teacher_forced(model, PROMPTS[i], c, 1.0)
+        kept = torch.tensor(lp)
+        assert torch.all(kept >= full - 1e-5) and torch.all(kept <= 0)
+        assert torch.any(kept > full + 1e-3)  # a real truncation happened somewhere
+
+
 def test_decode_mode():
     assert decode_mode("cuda", True, "sdpa") == "graph" and decode_mode("cuda", True, "eager") == "graph"
     assert decode_mode("cpu", True, "sdpa") == "dynamic" and decode_mode("cuda", False, "sdpa") == "dynamic"

@@ -38,9 +38,12 @@ class Generation:
     """What an engine returns for ``len(prompt_ids) * n`` samples, prompt-major (prompt 0's n
     samples first, then prompt 1's ...).
 
-    ``sampler_logprobs[i][t]`` is log softmax(logits / temperature) of the sampled token under the
-    engine's own forward (before top-p/top-k truncation), i.e. the same quantity the trainer
-    computes, so their ratio is the importance weight used by truncated IS.
+    ``sampler_logprobs[i][t]`` is the log-probability of the sampled token under the distribution
+    it was drawn from: log softmax(logits / temperature) of the engine's own forward, restricted to
+    the top-k / top-p set and renormalised over it (with top_p = 1, top_k = 0, QeRL's setting, the
+    trainer's own log softmax(logits / T)); log softmax(logits) when greedy. exp(trainer log-prob -
+    sampler log-prob) is the truncated-IS weight, so a top-k/top-p rollout is corrected like any
+    other mismatch between sampler and trainer.
     """
 
     completion_ids: list[list[int]]

@@ -2,7 +2,7 @@
 
 A plain sampling loop over the HF forward with a KV cache, written out rather than calling
 ``generate()`` so that (1) the sampler log-probs are exactly log softmax(logits / T) of the same
-forward the trainer uses, (2) sampling is seeded by a ``torch.Generator`` (reproducible, and
+forward the trainer uses (renormalised over the kept set with top-k/top-p, as vLLM's), (2) sampling is seeded by a ``torch.Generator`` (reproducible, and
 independent of the global RNG), and (3) position ids of left-padded prompts match the trainer's.
 Whatever the model carries (LoRA, AQN noisy norms, NVFP4 kernels) is what generates.
 
@@ -252,12 +252,13 @@ class HFEngine(RolloutEngine):
             logits = logits_bf.float()  # (B, V)
             greedy = sampling.temperature <= 0
             scaled = logits if greedy else logits / sampling.temperature
-            logp = F.log_softmax(scaled, dim=-1)
             if greedy:
+                logp = F.log_softmax(scaled, dim=-1)
                 nxt = scaled.argmax(-1)
-            else:
-                probs = filter_logits(scaled, sampling.top_k, sampling.top_p).softmax(-1)
-                nxt = torch.multinomial(probs, 1, generator=gen).squeeze(-1)
+            else:  # log-probs of the distribution sampled from: after top-k/top-p, renormalised (as vLLM's)
+                kept = filter_logits(scaled, sampling.top_k, sampling.top_p)
+                logp = F.log_softmax(kept, dim=-1)
+                nxt = torch.multinomial(kept.softmax(-1), 1, generator=gen).squeeze(-1)
             nxt = torch.where(finished, torch.full_like(nxt, self.pad_token_id), nxt)
             tokens = torch.cat([tokens, nxt[:, None]], 1)
             logprobs = torch.cat([logprobs, logp.gather(-1, nxt[:, None])], 1)

@@ -28,10 +28,9 @@ Manual (``engine: vllm`` in ``RolloutCallback``, settings under ``vllm:`` = :cla
   (one vLLM per process), with the clean norm scales pushed, so no AQN noise leaks into evaluation.
 * **Limits.** prompt + ``max_new_tokens`` beyond vLLM's ``max_model_len`` is an error (vLLM would
   refuse the prompt or cut the completion short); vLLM's start leaves the trainer's RNG as it was.
-* **Sampler log-probs.** vLLM's ``processed_logprobs`` are log softmax(logits / T) of the sampled
-  token *after* top-k/top-p masking (renormalised over the kept tokens), the HF engine's are before
-  truncation: they agree only with ``top_p=1, top_k=0`` (QeRL's setting); otherwise a warning is
-  logged. Greedy (T=0) gives log softmax(logits), as in the HF engine; since vLLM refuses ``n>1``
+* **Sampler log-probs.** vLLM's ``processed_logprobs``: log softmax(logits / T) of the sampled
+  token after top-k/top-p masking, renormalised over the kept tokens, which is what the HF engine
+  returns too (``Generation``). Greedy (T=0) gives log softmax(logits); since vLLM refuses ``n>1``
   when greedy, each prompt is then sent ``n`` times.
 * **Noise precision.** vLLM keeps norms in the model dtype (bf16). With ``AQNCallback(
   scale_precision="bf16")`` the trainer rounds w + Z stochastically to bf16 (unbiased), so the copy
@@ -217,7 +216,6 @@ class VLLMEngine(RolloutEngine):
         self._hold_awake = False
         self._asleep: set[str] = set()
         self._use_disk = self.settings.adapter_via_disk
-        self._warned_truncation = False
         self._warned_rounding = False
         self.norm_cast_error = 0.0
         self.last_sync: dict[str, float] = {}
@@ -361,9 +359,6 @@ class VLLMEngine(RolloutEngine):
             raise RuntimeError("VLLMEngine.generate called before sync(model)")
         from vllm import SamplingParams
 
-        if sampling.temperature > 0 and (sampling.top_p < 1 or sampling.top_k > 0) and not self._warned_truncation:
-            log.warning("vLLM's sampler log-probs are renormalised after top-p/top-k; the HF engine's are not")
-            self._warned_truncation = True
         limit = max_model_len(self.llm)
         longest = max((len(p) for p in prompt_ids), default=0)
         if limit is not None and longest + sampling.max_new_tokens > limit:
