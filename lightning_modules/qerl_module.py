@@ -229,6 +229,12 @@ class QeRLModule(EvaluationMixin, L.LightningModule):
         frozen += [f"model.{n}" for n, _ in self.model.named_buffers()]
         torch.nn.parallel.DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(self, frozen)
 
+    def configure_callbacks(self):
+        """Lightning's summary prints params x 4 B as the model size; this one the real bytes (NVFP4 packed)."""
+        from callbacks.summary import replacing_default_summary
+
+        return replacing_default_summary(self.trainer.callbacks)
+
     def trainable_parameters(self) -> list[torch.nn.Parameter]:
         return [p for p in self.model.parameters() if p.requires_grad]
 

@@ -1,0 +1,45 @@
+"""Lightning's model summary with the real size of the weights.
+
+Lightning estimates "params size" as parameters x 4 bytes, which for a frozen NVFP4 base
+(0.5625 B per weight: packed e2m1 codes + e4m3 block scales) or NF4 overstates the memory the
+run holds by up to 7x. ``WeightBytesSummary`` prints the same table with the bytes the tensors
+actually occupy; ``QeRLModule.configure_callbacks`` puts it in place of Lightning's default summary
+(``trainer.enable_model_summary: false`` still turns the summary off).
+"""
+
+from __future__ import annotations
+
+from lightning.pytorch.callbacks import ModelSummary, RichModelSummary
+from lightning.pytorch.utilities.imports import _RICH_AVAILABLE
+
+from qerl.model import base_weight_bytes
+
+_Base = RichModelSummary if _RICH_AVAILABLE else ModelSummary
+
+
+def replacing_default_summary(callbacks: list) -> list:
+    """``[WeightBytesSummary]`` when ``callbacks`` hold Lightning's own summary (as
+    ``enable_model_summary`` adds it), with its depth; else nothing (off, or a custom one)."""
+    summaries = [cb for cb in callbacks if isinstance(cb, ModelSummary)]
+    if len(summaries) != 1 or type(summaries[0]) not in (ModelSummary, RichModelSummary):
+        return []
+    return [WeightBytesSummary(max_depth=summaries[0]._max_depth)]
+
+
+def weight_megabytes(pl_module) -> float:
+    """MB held by the module's parameters: the frozen base as stored (NVFP4 packed, NF4 with its
+    absmax state) plus every trainable tensor at its dtype."""
+    model = getattr(pl_module, "model", None) or pl_module
+    trainable = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
+    return (base_weight_bytes(model)["total"] + trainable) / 1e6
+
+
+class WeightBytesSummary(_Base):
+    """Lightning's (rich) model summary; "Total estimated model params size" is the real weight bytes."""
+
+    def on_fit_start(self, trainer, pl_module) -> None:
+        self._megabytes = weight_megabytes(pl_module)
+        super().on_fit_start(trainer, pl_module)
+
+    def summarize(self, summary_data, total_parameters, trainable_parameters, model_size, *args, **kwargs) -> None:
+        super().summarize(summary_data, total_parameters, trainable_parameters, self._megabytes, *args, **kwargs)

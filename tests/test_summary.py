@@ -1,0 +1,44 @@
+"""The model summary prints the bytes the weights really occupy (Lightning assumes 4 B per parameter)."""
+
+import lightning as L
+import pytest
+from lightning.pytorch.callbacks import ModelCheckpoint, ModelSummary, RichModelSummary
+
+import callbacks.summary as summary
+from lightning_modules.qerl_module import QeRLModule
+from qerl.model import base_weight_bytes
+from qerl.nvfp4 import NVFP4WeightTensor
+
+
+@pytest.mark.parametrize("quantization", ["nvfp4", "bf16"])
+def test_summary_size_is_the_real_weight_bytes(quantization, monkeypatch):
+    module = QeRLModule(model="tiny-qwen2", quantization=quantization, dtype="fp32")
+    module.configure_model()
+    printed = {}
+    monkeypatch.setattr(summary._Base, "summarize", staticmethod(
+        lambda data, total, trainable, size, *a, **k: printed.update(size=size, total=total)))
+    trainer = L.Trainer(logger=False, accelerator="cpu", enable_progress_bar=False, enable_checkpointing=False)
+    summary.WeightBytesSummary(max_depth=1).on_fit_start(trainer, module)
+    params = list(module.model.parameters())
+    trainable = sum(p.numel() * p.element_size() for p in params if p.requires_grad)
+    assert printed["size"] == pytest.approx((base_weight_bytes(module.model)["total"] + trainable) / 1e6)
+    assert printed["total"] == sum(p.numel() for p in params)  # the parameter count stays Lightning's
+    lightning_size = printed["total"] * 4 / 1e6  # what Lightning would have printed (32-bit)
+    # fp32 model: the only difference is the packed NVFP4 linears (0.5625 B per weight instead of 4)
+    packed = [p for p in params if isinstance(p, NVFP4WeightTensor)]
+    assert bool(packed) == (quantization == "nvfp4")
+    saved = sum(p.numel() * 4 - p.packed_nbytes() for p in packed) / 1e6
+    assert lightning_size - printed["size"] == pytest.approx(saved)
+    assert all(p.packed_nbytes() == p.numel() * 9 // 16 + 4 for p in packed)  # + the fp32 per-tensor scale
+
+
+def test_replaces_only_lightnings_own_summary():
+    for default in (ModelSummary(max_depth=2), RichModelSummary(max_depth=2)):
+        (ours,) = summary.replacing_default_summary([ModelCheckpoint(), default])
+        assert isinstance(ours, summary.WeightBytesSummary) and ours._max_depth == 2
+    assert summary.replacing_default_summary([ModelCheckpoint()]) == []  # enable_model_summary: false
+
+    class Custom(ModelSummary):
+        pass
+
+    assert summary.replacing_default_summary([Custom()]) == []  # a user's own summary stays
