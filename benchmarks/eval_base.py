@@ -26,7 +26,8 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from lightning_modules.data import PromptDataModule  # noqa: E402
-from lightning_modules.qerl_module import EvalSettings, QeRLModule  # noqa: E402
+from lightning_modules.evaluation import EvalSettings  # noqa: E402
+from lightning_modules.qerl_module import QeRLModule  # noqa: E402
 
 
 def evaluate(model: str, arm: str, data: str, limit, max_new_tokens: int, batch: int, log_dir: str,

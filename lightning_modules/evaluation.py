@@ -14,12 +14,41 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+from dataclasses import dataclass
+from typing import Literal
 
 import torch
 
 from qerl.metrics import PassAtK
 from qerl.rewards import MathAccuracy, extract_answer
 from qerl.rollout import SamplingSettings, stop_token_ids
+
+
+@dataclass
+class EvalSettings:
+    """Evaluation (validate / test / periodic validation during fit). AQN noise is never applied.
+
+    Args:
+        samples: sampled completions per problem, n, for mean@n and pass@k (0 = greedy pass@1 only).
+        pass_k: the k of the reported pass@k, 2 <= k <= samples (default: [samples]); unbiased
+            estimator from n samples. ``pass@1`` is always the greedy accuracy.
+        temperature: sampling temperature of those samples (the paper evaluates at 0.6).
+        top_p: nucleus mass of those samples (paper: 0.95).
+        max_new_tokens: completion cap for every evaluation completion.
+        use_adapter: False evaluates the base model alone (the "before" row of a table).
+        max_batch_size: sequences decoded together by the embedded engine.
+        engine: rollout (the RolloutCallback's engine: vLLM when training rolls out in vLLM, the
+            embedded engine otherwise or without a RolloutCallback) or hf (always the embedded engine).
+    """
+
+    samples: int = 0
+    pass_k: list[int] | None = None
+    temperature: float = 0.6
+    top_p: float = 0.95
+    max_new_tokens: int = 1024
+    use_adapter: bool = True
+    max_batch_size: int = 64
+    engine: Literal["rollout", "hf"] = "rollout"
 
 
 def gather_records(records: dict[str, list[dict]]) -> dict[str, list[dict]]:

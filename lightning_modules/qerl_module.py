@@ -33,7 +33,7 @@ from lightning.pytorch.utilities import rank_zero_warn
 
 from qerl.losses import group_advantages, policy_loss, selective_log_softmax, entropy_from_logits, masked_mean
 from qerl.losses import truncated_is_weights
-from lightning_modules.evaluation import EvaluationMixin
+from lightning_modules.evaluation import EvalSettings, EvaluationMixin  # noqa: F401  (EvalSettings: the CLI's model.eval)
 from qerl.model import LoraSettings, load_policy, load_tokenizer
 from qerl.rollout import Rollout
 from qerl.seeding import global_rng_state, resolve_seed, set_global_rng_state
@@ -101,33 +101,6 @@ class OptimizerSettings:
     warmup_ratio: float = 0.1
     schedule: Literal["cosine", "linear", "constant"] = "cosine"
     max_grad_norm: float = 0.2
-
-
-@dataclass
-class EvalSettings:
-    """Evaluation (validate / test / periodic validation during fit). AQN noise is never applied.
-
-    Args:
-        samples: sampled completions per problem, n, for mean@n and pass@k (0 = greedy pass@1 only).
-        pass_k: the k of the reported pass@k, 2 <= k <= samples (default: [samples]); unbiased
-            estimator from n samples. ``pass@1`` is always the greedy accuracy.
-        temperature: sampling temperature of those samples (the paper evaluates at 0.6).
-        top_p: nucleus mass of those samples (paper: 0.95).
-        max_new_tokens: completion cap for every evaluation completion.
-        use_adapter: False evaluates the base model alone (the "before" row of a table).
-        max_batch_size: sequences decoded together by the embedded engine.
-        engine: rollout (the RolloutCallback's engine: vLLM when training rolls out in vLLM, the
-            embedded engine otherwise or without a RolloutCallback) or hf (always the embedded engine).
-    """
-
-    samples: int = 0
-    pass_k: list[int] | None = None
-    temperature: float = 0.6
-    top_p: float = 0.95
-    max_new_tokens: int = 1024
-    use_adapter: bool = True
-    max_batch_size: int = 64
-    engine: Literal["rollout", "hf"] = "rollout"
 
 
 def lr_factor(step: int, total: int, warmup_ratio: float, schedule: str) -> float:

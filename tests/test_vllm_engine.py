@@ -15,7 +15,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from lightning_modules.qerl_module import EvalSettings
+from lightning_modules.evaluation import EvalSettings
 from qerl.aqn import attach_noisy_norms
 from qerl.model import LoraSettings, load_policy
 from qerl.rollout import SamplingSettings
