@@ -103,10 +103,16 @@ class RolloutCallback(L.Callback):
         raise ValueError(f"unknown rollout engine {self.engine_name!r}; use 'hf' or 'vllm'")
 
     def on_fit_start(self, trainer, pl_module) -> None:
+        self.ensure_engine(trainer, pl_module)
+
+    def ensure_engine(self, trainer, pl_module) -> RolloutEngine:
+        """The engine, created on first use (fit start, or an evaluation that runs in it): never at
+        import or ``--print_config``."""
         if self.engine_name == "vllm":
             self._check_vllm_setup(trainer, pl_module)
-        if self.engine is None:  # created lazily: never at import or --print_config
+        if self.engine is None:
             self.engine = self.make_engine(pl_module)
+        return self.engine
 
     def _check_vllm_setup(self, trainer, pl_module) -> None:
         """Fail at fit start, not at the first rollout (or evaluation) after minutes of loading, when

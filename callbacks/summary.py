@@ -27,11 +27,12 @@ def replacing_default_summary(callbacks: list) -> list:
 
 
 def weight_megabytes(pl_module) -> float:
-    """MB held by the module's parameters: the frozen base as stored (NVFP4 packed, NF4 with its
-    absmax state) plus every trainable tensor at its dtype."""
+    """MB held by the module's parameters: everything ``base_weight_bytes`` counts (the base as
+    stored: NVFP4 packed, NF4 with its absmax state; trainable norms included) plus the LoRA tensors
+    it leaves out."""
     model = getattr(pl_module, "model", None) or pl_module
-    trainable = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
-    return (base_weight_bytes(model)["total"] + trainable) / 1e6
+    lora = sum(p.numel() * p.element_size() for n, p in model.named_parameters() if "lora_" in n)
+    return (base_weight_bytes(model)["total"] + lora) / 1e6
 
 
 class WeightBytesSummary(_Base):

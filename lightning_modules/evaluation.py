@@ -87,11 +87,9 @@ class EvaluationMixin:
         ``eval.engine: hf``; else an embedded engine of its own batch size (CUDA graphs as the
         RolloutCallback sets them). Synced with the clean policy: AQN is off now, so the norm
         scales are the plain weights."""
-        rollout_cb = next((cb for cb in self.trainer.callbacks if hasattr(cb, "make_engine")), None)
+        rollout_cb = next((cb for cb in self.trainer.callbacks if hasattr(cb, "ensure_engine")), None)
         if self.eval_settings.engine == "rollout" and getattr(rollout_cb, "engine_name", "hf") == "vllm":
-            if rollout_cb.engine is None:  # validate / test: no fit start made it
-                rollout_cb.on_fit_start(self.trainer, self)
-            engine = rollout_cb.engine
+            engine = rollout_cb.ensure_engine(self.trainer, self)  # validate / test: made here
         else:
             if getattr(self, "_evaluation_engine", None) is None:
                 from qerl.rollout.hf import HFEngine

@@ -42,3 +42,13 @@ def test_replaces_only_lightnings_own_summary():
         pass
 
     assert summary.replacing_default_summary([Custom()]) == []  # a user's own summary stays
+
+
+def test_trainable_norms_are_counted_once():
+    from qerl.model import LoraSettings
+
+    module = QeRLModule(model="tiny-qwen2", quantization="bf16", dtype="fp32", lora=LoraSettings(rank=4, trainable_norms=True))
+    module.configure_model()
+    params = list(module.model.parameters())
+    assert any(p.requires_grad and p.dim() == 1 for p in params)  # the norms train
+    assert summary.weight_megabytes(module) == pytest.approx(sum(p.numel() * p.element_size() for p in params) / 1e6)
