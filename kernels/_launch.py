@@ -1,6 +1,8 @@
 """Launch wrappers, config choice and autotuning for the NVFP4 W4A16 kernels.
 
 Path per call (``M`` = rows of the activation):
+* ``cuda`` (forward, bf16, M <= 16, K % 128 == 0): the NVRTC-compiled MMA kernel of
+  ``kernels/nvfp4_skinny.py`` that decodes straight into the MMA fragments (decode);
 * fused Triton kernel (``_fwd_kernel`` / ``_bwd_kernel``): small and mid M, memory-bound or
   close to it, where reading 0.56 B/weight instead of 2 B pays;
 * ``dequant``: ``_dequant_kernel`` writes W in the activation dtype into a transient buffer, then
@@ -36,7 +38,10 @@ def _interpret() -> bool:
 
 @dataclass(frozen=True)
 class Config:
-    """One launch choice. ``kind`` 'fused' or 'dequant'. ``split`` None = from ``waves``."""
+    """One launch choice. ``kind`` 'fused', 'cuda' or 'dequant'. ``split`` None = from ``waves``.
+
+    For 'cuda' only ``BN`` (weight rows per CTA, 16 or 32) and ``warps`` (K split inside the CTA)
+    are read."""
     kind: str = "fused"
     BM: int = 16
     BN: int = 128
@@ -51,6 +56,8 @@ class Config:
     def short(self) -> str:
         if self.kind == "dequant":
             return "dequant+cublas"
+        if self.kind == "cuda":
+            return f"cuda BN{self.BN} w{self.warps}"
         return (f"BM{self.BM} BN{self.BN} BK{self.BK} w{self.warps} s{self.stages}"
                 f"{' swap' if self.swap else ''}{' v2' if self.v2 else ''}"
                 f"{'' if self.waves == 2.0 else f' waves{self.waves:g}'} split={self.split or 'auto'}")
@@ -63,6 +70,10 @@ def _fused(BM, BN, BK, warps=4, stages=3, swap=False, **kw):
     return Config("fused", BM, BN, BK, warps, stages, swap, **kw)
 
 
+def _cuda(BN, warps):
+    return Config("cuda", 16, BN, 128, warps)
+
+
 # Candidates per M bucket; the first is the default used without tuning. "BN" is the weight-row
 # tile (output N for fwd, reduction N for bwd); "BK" the K tile (reduction for fwd, output for bwd).
 # Offline SASS (sm_90a) of the M <= 16 default: mma.sync with the decoded weight fed from registers,
@@ -73,7 +84,8 @@ def candidates(op: str, mb: int) -> list:
     if mb > 1024:
         return [DEQUANT]
     if mb <= 16:
-        return [F(16, 64, 256, 4, 3), F(16, 128, 128, 4, 4), F(16, 64, 128, 4, 4), F(16, 128, 64, 4, 4),
+        cuda = [_cuda(32, 8), _cuda(16, 8), _cuda(32, 4), _cuda(16, 4), _cuda(16, 16)] if op == "fwd" else []
+        return cuda + [F(16, 64, 256, 4, 3), F(16, 128, 128, 4, 4), F(16, 64, 128, 4, 4), F(16, 128, 64, 4, 4),
                 F(16, 64, 256, 4, 3, waves=8.0), F(16, 128, 64, 4, 4, waves=8.0), F(16, 64, 256, 8, 3),
                 F(16, 128, 128, 8, 4), F(16, 32, 256, 4, 4)]
     if mb <= 32:
@@ -189,6 +201,12 @@ def _pts(p):
 
 
 def _run(op, a, qdata, scale, pts, out, cfg: Config):
+    if cfg.kind == "cuda":
+        from . import nvfp4_skinny
+        if op == "fwd" and not _interpret() and nvfp4_skinny.supported(a, qdata, scale):
+            return nvfp4_skinny.forward(a, qdata, scale.view(torch.uint8), _pts(pts), out,
+                                        R=cfg.BN // 16, WARPS=cfg.warps)
+        cfg = next(c for c in candidates(op, _bucket(a.shape[0])) if c.kind != "cuda")
     if cfg.kind == "dequant":
         w = dequantize(qdata, scale, pts, a.dtype)
         return torch.matmul(a, w.t() if op == "fwd" else w, out=out)

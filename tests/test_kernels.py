@@ -215,3 +215,96 @@ def test_gpu_split_reduction_deterministic_and_graph_safe():
         torch.cuda.synchronize()
         W = ref_weight(q, s, p)
         assert rel_err(out, x.double().cpu() @ W.t()) <= 1e-2
+
+
+# ------------------------------------------------------------- CUDA skinny forward (M <= 16)
+def _skinny_configs():
+    return [(1, 8), (2, 8), (1, 4), (2, 4), (1, 16), (2, 16)]
+
+
+def test_skinny_source_compiles_without_spills():
+    """Each specialisation of the NVRTC source assembles for sm_90 with nvcc (when present) and
+    keeps everything in registers (a spill would cost far more than the decode saves)."""
+    import shutil
+    import subprocess
+    import tempfile
+    from kernels import nvfp4_skinny
+    nvcc = shutil.which("nvcc")
+    if nvcc is None:
+        pytest.skip("nvcc not on PATH")
+    with tempfile.TemporaryDirectory() as d:
+        for R, TT, W in [(1, 1, 8), (2, 1, 8), (1, 2, 8), (2, 1, 4), (1, 1, 16)]:
+            src = os.path.join(d, f"k{R}{TT}{W}.cu")
+            with open(src, "w") as f:
+                f.write(nvfp4_skinny.source(R, TT, W))
+            r = subprocess.run([nvcc, "-arch=sm_90", "-cubin", "-Xptxas", "-v", "-o", src + ".cubin", src],
+                               capture_output=True, text=True)
+            assert r.returncode == 0, r.stderr[-2000:]
+            assert "0 bytes spill stores" in r.stderr and "stack frame" in r.stderr, r.stderr
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs CUDA")
+@pytest.mark.parametrize("R,WARPS", _skinny_configs())
+def test_gpu_skinny_forward(R, WARPS):
+    """Against the fp64 reference: M across one and two token tiles, N off the 16/32-row tiles,
+    K from one chunk (fewer chunks than warps) to many, a strided activation, poisoned outputs."""
+    from kernels import _launch as L, nvfp4_skinny
+    assert nvfp4_skinny.available(), "torch.cuda._compile_kernel (NVRTC) missing"
+    cfg = L._cuda(16 * R, WARPS)
+    for M, N, K in [(1, 16, 128), (2, 40, 896), (8, 4608, 3584), (9, 100, 1024), (16, 3584, 18944),
+                    (5, 257, 3584)]:
+        q, s, p = rand_weight(N, K, "cuda")
+        W = ref_weight(q, s, p)
+        xs = torch.randn(M, K + 64, device="cuda", dtype=torch.bfloat16)[:, :K]      # ldx = K + 64
+        assert nvfp4_skinny.supported(xs, q, s)
+        y = torch.full((M, N), float("nan"), device="cuda", dtype=torch.bfloat16)
+        L.linear_forward(xs, q, s, p, out=y, config=cfg)
+        y2 = L.linear_forward(xs, q, s, p, config=cfg)
+        torch.cuda.synchronize()
+        assert torch.equal(y, y2), "not deterministic"
+        err = rel_err(y, xs.double().cpu() @ W.t())
+        assert err <= 1e-2, f"R={R} W={WARPS} M={M} N={N} K={K}: {err:.2e}"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs CUDA")
+def test_gpu_skinny_exact_decode_every_k():
+    """One-hot activations pick single weights: y[m, n] must be bf16(W[n, k_m]) exactly, for every
+    k position of a chunk (checks the fragment k permutation), every byte and e4m3 subnormal scales."""
+    from kernels import _launch as L
+    N, K = 64, 512
+    q = torch.arange(256, dtype=torch.uint8).repeat(N, 1).roll(7, dims=1)
+    q[5] = torch.randint(0, 256, (256,), dtype=torch.uint8)
+    sc = torch.tensor([2.0 ** -9, 3 * 2.0 ** -9, 2.0 ** -6, 0.75, 1.0, 1.125, 7.0, 448.0, 0.0]).repeat(N * 4)
+    s = sc[torch.randperm(sc.numel())][: N * 32].view(N, 32).to(torch.float8_e4m3fn)
+    p = torch.tensor(0.0123, dtype=torch.float32)
+    ref = ref_weight(q, s, p).to(torch.bfloat16)                                   # [N, K]
+    qc, sc_, pc = q.cuda(), s.cuda(), p.cuda()
+    for R, WARPS in [(1, 8), (2, 4)]:
+        for k0 in range(0, K, 16):
+            x = torch.zeros(16, K, dtype=torch.bfloat16)
+            x[torch.arange(16), k0 + torch.arange(16)] = 1.0
+            y = L.linear_forward(x.cuda(), qc, sc_, pc, config=L._cuda(16 * R, WARPS)).cpu()
+            assert torch.equal(y, ref[:, k0:k0 + 16].t()), (R, WARPS, k0)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs CUDA")
+def test_gpu_skinny_in_cuda_graph():
+    from kernels import _launch as L
+    q, s, p = rand_weight(1000, 2048, "cuda")
+    x = torch.randn(3, 2048, device="cuda", dtype=torch.bfloat16)
+    out = torch.full((3, 1000), float("nan"), device="cuda", dtype=torch.bfloat16)
+    cfg = L._cuda(32, 8)
+    L.linear_forward(x, q, s, p, out=out, config=cfg)                               # compile outside
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        L.linear_forward(x, q, s, p, out=out, config=cfg)
+    W = ref_weight(q, s, p)
+    for _ in range(2):
+        out.fill_(float("nan"))
+        x.copy_(torch.randn_like(x))
+        g.replay()
+        torch.cuda.synchronize()
+        assert rel_err(out, x.double().cpu() @ W.t()) <= 1e-2

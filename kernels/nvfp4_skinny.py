@@ -1,0 +1,300 @@
+"""CUDA NVFP4 W4A16 forward for skinny activations (M <= 16 tokens: decode), compiled with NVRTC.
+
+Why CUDA next to the Triton kernels: at M <= 16 the Triton forward is issue-bound, not memory-bound
+(``kernels/NOTES.md``): ~4.3 SASS instructions per weight, of which the decode is ~2.5 and the
+rest is Triton moving the decoded tile from its load layout into the ``mma`` operand layout
+(shared-memory round trip, barriers). Here each thread loads exactly the codes of its own
+``mma.sync.m16n8k16`` A-fragment with 16-byte loads and decodes them in registers, so nothing
+else sits between the load and the MMA.
+
+The k order inside one MMA does not matter as long as A and B use the same one, which is what
+lets the fragments come straight from the existing ``[N, K/2]`` layout (no repacking):
+
+* A chunk is 128 k (64 bytes of a row). Thread ``(g, t) = (lane / 4, lane % 4)`` loads bytes
+  ``[16t, 16t+16)`` of rows ``g`` and ``g + 8`` of its 16-row tile: the 32 codes
+  ``k = 32t .. 32t+31`` = scale groups ``2t`` and ``2t+1``.
+* MMA step ``s`` (8 per chunk) uses bytes ``2s, 2s+1`` of each row: the decode (the same
+  20-instruction PTX as ``nvfp4_w4a16._DECODE_PTX``) yields ``ev = (k0, k2)`` (low nibbles) and
+  ``od = (k1, k3)`` (high nibbles) with ``k0 = 32t + 4s``: ``a0 = ev(row g)``, ``a1 = ev(row g+8)``,
+  ``a2 = od(row g)``, ``a3 = od(row g+8)``, already multiplied by their block scale.
+* The B fragment of token ``g`` then needs ``(x[k0], x[k0+2])`` and ``(x[k0+1], x[k0+3])``: two
+  ``prmt`` of the activation words. Every thread's 16 MMA slots map to 16 distinct k, and the 8
+  steps of a chunk cover all 128.
+
+Decoded values are ``e2m1 * scale * 2^-8`` in bf16 (exact); ``pts * 2^8`` is applied in the fp32
+epilogue. A CTA owns ``16 * R`` weight rows and all of K; its ``WARPS`` warps split K by chunk
+(warp ``w`` takes chunks ``w, w + WARPS, ...``) and are summed in a fixed order through shared
+memory, so the result is deterministic and there is no cross-CTA reduction. Each warp prefetches
+its next chunk (weights, scales, activations) into registers while it decodes the current one.
+
+Requirements (checked by ``supported``; otherwise the Triton kernel runs): bf16 activations,
+M <= 16, K % 128 == 0, 16-byte aligned pointers and an activation row stride that keeps them aligned.
+Compiled once per (R, TT, WARPS, device) with ``torch.cuda._compile_kernel`` (NVRTC, no headers);
+launched on the current stream, so it is captured by CUDA graphs like any kernel.
+"""
+
+import torch
+
+_SRC = r"""
+typedef unsigned int u32;
+typedef unsigned short u16;
+
+// 4 bytes of one row-pair step -> the 4 A-fragment registers (see the module docstring).
+// wg / wg8: the word holding bytes (2s, 2s+1) of rows g / g+8; sel: which half of it;
+// sg / sg8: bf16x2 of (block scale * 2^118) for rows g / g+8.
+__device__ __forceinline__ void decode_step(u32 wg, u32 wg8, u32 sel, u32 sg, u32 sg8,
+                                            u32 &a0, u32 &a1, u32 &a2, u32 &a3) {
+  asm("{\n"
+      ".reg .b32 t0, t1, a, b, z;\n"
+      "mov.b32 z, 0x80008000;\n"
+      "prmt.b32 t0, %4, %4, %6;\n"
+      "prmt.b32 t1, %5, %5, %6;\n"
+      "shl.b32 a, t0, 4; shr.b32 b, t0, 2;\n"
+      "and.b32 a, a, 0x80008000; and.b32 b, b, 0x01C001C0; or.b32 a, a, b;\n"
+      "fma.rn.bf16x2 %0, a, %7, z;\n"
+      "shl.b32 a, t1, 4; shr.b32 b, t1, 2;\n"
+      "and.b32 a, a, 0x80008000; and.b32 b, b, 0x01C001C0; or.b32 a, a, b;\n"
+      "fma.rn.bf16x2 %1, a, %8, z;\n"
+      "shr.b32 b, t0, 6;\n"
+      "and.b32 a, t0, 0x80008000; and.b32 b, b, 0x01C001C0; or.b32 a, a, b;\n"
+      "fma.rn.bf16x2 %2, a, %7, z;\n"
+      "shr.b32 b, t1, 6;\n"
+      "and.b32 a, t1, 0x80008000; and.b32 b, b, 0x01C001C0; or.b32 a, a, b;\n"
+      "fma.rn.bf16x2 %3, a, %8, z;\n"
+      "}\n"
+      : "=r"(a0), "=r"(a1), "=r"(a2), "=r"(a3)
+      : "r"(wg), "r"(wg8), "r"(sel), "r"(sg), "r"(sg8));
+}
+
+// Two e4m3 block scales (low byte first) -> two bf16x2 registers of (scale * 2^118), exact.
+__device__ __forceinline__ void scales_bf16x2(u32 s16, u32 &lo, u32 &hi) {
+  u32 h2;
+  asm("{\n.reg .b16 s;\ncvt.u16.u32 s, %1;\ncvt.rn.f16x2.e4m3x2 %0, s;\n}\n" : "=r"(h2) : "r"(s16));
+  float f0, f1;
+  asm("{\n.reg .f16 l, h;\nmov.b32 {l, h}, %2;\ncvt.f32.f16 %0, l;\ncvt.f32.f16 %1, h;\n}\n"
+      : "=f"(f0), "=f"(f1) : "r"(h2));
+  f0 *= 0x1p118f;
+  f1 *= 0x1p118f;
+  asm("cvt.rn.bf16x2.f32 %0, %1, %1;" : "=r"(lo) : "f"(f0));
+  asm("cvt.rn.bf16x2.f32 %0, %1, %1;" : "=r"(hi) : "f"(f1));
+}
+
+__device__ __forceinline__ void mma_bf16(float (&c)[4], u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
+  asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
+               "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+               : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+               : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+__device__ __forceinline__ u32 prmt(u32 a, u32 b, u32 sel) {
+  u32 d;
+  asm("prmt.b32 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(sel));
+  return d;
+}
+
+__device__ __forceinline__ u32 ldg2(const void *p) {
+  u16 v;
+  asm volatile("ld.global.nc.u16 %0, [%1];" : "=h"(v) : "l"(p));
+  return v;
+}
+
+__device__ __forceinline__ uint4 ldg16(const void *p) {
+  uint4 v;
+  asm volatile("ld.global.nc.v4.u32 {%0,%1,%2,%3}, [%4];"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
+  return v;
+}
+
+struct Chunk {
+  uint4 q[R][2];      // 16 bytes of rows g, g+8 of each row tile
+  u32 s[R][2];        // the two e4m3 scales (groups 2t, 2t+1) of each of those rows
+  uint4 x[TT][4];     // 32 bf16 activations of token g (+8 per token tile)
+};
+
+// Pointers of one thread, advanced by 2 * WARPS chunks per loop trip. Out-of-range rows and
+// tokens read row 0 / token 0 instead (valid memory, finite values) and the rows' scales read as 0,
+// so they contribute exact zeros; their outputs are never stored. K is a multiple of 128.
+struct Ptrs {
+  const unsigned char *q[R][2];
+  const unsigned char *s[R][2];
+  const u16 *x[TT];
+  bool rok[R][2];
+};
+
+__device__ __forceinline__ void load(const Ptrs &p, int off, Chunk &ch) {
+  // off: 0 or WARPS (chunk offset from the pointers' current chunk)
+#pragma unroll
+  for (int r = 0; r < R; ++r)
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      ch.q[r][h] = ldg16(p.q[r][h] + off * 64);
+      ch.s[r][h] = p.rok[r][h] ? ldg2(p.s[r][h] + off * 8) : 0u;
+    }
+#pragma unroll
+  for (int tt = 0; tt < TT; ++tt)
+#pragma unroll
+    for (int i = 0; i < 4; ++i) ch.x[tt][i] = ldg16(p.x[tt] + off * 128 + 8 * i);
+}
+
+__device__ __forceinline__ void compute(const Chunk &cur, float (&acc)[R][TT][4]) {
+  u32 sbf[R][2][2];                                         // [tile][row g / g+8][group 2t / 2t+1]
+#pragma unroll
+  for (int r = 0; r < R; ++r)
+#pragma unroll
+    for (int h = 0; h < 2; ++h) scales_bf16x2(cur.s[r][h], sbf[r][h][0], sbf[r][h][1]);
+#pragma unroll
+  for (int s = 0; s < 8; ++s) {
+    u32 b[TT][2];
+#pragma unroll
+    for (int tt = 0; tt < TT; ++tt) {
+      const uint4 xv = cur.x[tt][s >> 1];                   // x[32t + 4s .. 4s+3] = 2 words
+      const u32 w0 = (s & 1) ? xv.z : xv.x, w1 = (s & 1) ? xv.w : xv.y;
+      b[tt][0] = prmt(w0, w1, 0x5410);                      // (x[k0], x[k0+2])
+      b[tt][1] = prmt(w0, w1, 0x7632);                      // (x[k0+1], x[k0+3])
+    }
+    const u32 sel = (s & 1) ? 0x3222u : 0x1000u;
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+      const uint4 qa = cur.q[r][0], qb = cur.q[r][1];
+      const int wi = s >> 1;
+      const u32 wg = wi == 0 ? qa.x : wi == 1 ? qa.y : wi == 2 ? qa.z : qa.w;
+      const u32 wg8 = wi == 0 ? qb.x : wi == 1 ? qb.y : wi == 2 ? qb.z : qb.w;
+      u32 a0, a1, a2, a3;
+      decode_step(wg, wg8, sel, sbf[r][0][s >> 2], sbf[r][1][s >> 2], a0, a1, a2, a3);
+#pragma unroll
+      for (int tt = 0; tt < TT; ++tt) mma_bf16(acc[r][tt], a0, a1, a2, a3, b[tt][0], b[tt][1]);
+    }
+  }
+}
+
+extern "C" __global__ void __launch_bounds__(WARPS * 32, MIN_BLOCKS)
+nvfp4_skinny_fwd(const u16 *__restrict__ x, const unsigned char *__restrict__ q,
+                 const unsigned char *__restrict__ sc, const float *__restrict__ pts,
+                 u16 *__restrict__ y, int M, int N, int K, int ldx, int ldy) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int g = lane >> 2, t = lane & 3;
+  const int n0 = blockIdx.x * (16 * R);
+  const long kb = K >> 1, kg = K >> 4;
+  const int nchunks = K >> 7;
+
+  Ptrs p;
+#pragma unroll
+  for (int r = 0; r < R; ++r)
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int n = n0 + 16 * r + g + 8 * h;
+      p.rok[r][h] = n < N;
+      const long nn = p.rok[r][h] ? n : 0;
+      p.q[r][h] = q + nn * kb + 16 * t + warp * 64;
+      p.s[r][h] = sc + nn * kg + 2 * t + warp * 8;
+    }
+#pragma unroll
+  for (int tt = 0; tt < TT; ++tt) {
+    const int m = 8 * tt + g;
+    p.x[tt] = x + (long)(m < M ? m : 0) * ldx + 32 * t + warp * 128;
+  }
+
+  float acc[R][TT][4];
+#pragma unroll
+  for (int r = 0; r < R; ++r)
+#pragma unroll
+    for (int tt = 0; tt < TT; ++tt)
+#pragma unroll
+      for (int i = 0; i < 4; ++i) acc[r][tt][i] = 0.f;
+
+  // Ping-pong between two register buffers (no copies): the loads of chunk c + WARPS are in
+  // flight while chunk c is decoded. The last chunk of a ragged K (!KFULL) may cover k >= K for
+  // some threads: those read k = 0 of their rows with zero scales.
+  Chunk b0, b1;
+  int c = warp;
+  if (c < nchunks) load(p, 0, b0);
+  while (c < nchunks) {
+    // b0 holds chunk c; this trip decodes c (b0) and c + WARPS (b1)
+    const int c1 = c + WARPS, c2 = c + 2 * WARPS;
+    if (c1 < nchunks) load(p, WARPS, b1);
+    compute(b0, acc);
+    if (c1 >= nchunks) break;
+#pragma unroll
+    for (int r = 0; r < R; ++r)
+#pragma unroll
+      for (int h = 0; h < 2; ++h) { p.q[r][h] += 2 * WARPS * 64; p.s[r][h] += 2 * WARPS * 8; }
+#pragma unroll
+    for (int tt = 0; tt < TT; ++tt) p.x[tt] += 2 * WARPS * 128;
+    if (c2 < nchunks) load(p, 0, b0);
+    compute(b1, acc);
+    c = c2;
+  }
+
+  // Sum the warps' partials in a fixed order; C fragment: c0,c1 = (row g, tokens 2t, 2t+1),
+  // c2,c3 = (row g+8, same tokens).
+  constexpr int PER_WARP = R * TT * 4 * 32;
+  __shared__ float red[WARPS * PER_WARP];
+#pragma unroll
+  for (int r = 0; r < R; ++r)
+#pragma unroll
+    for (int tt = 0; tt < TT; ++tt)
+#pragma unroll
+      for (int i = 0; i < 4; ++i) red[warp * PER_WARP + ((r * TT + tt) * 4 + i) * 32 + lane] = acc[r][tt][i];
+  __syncthreads();
+  const float out_scale = *pts * 256.0f;
+  for (int o = threadIdx.x; o < PER_WARP; o += WARPS * 32) {
+    const int ln = o & 31, i = (o >> 5) & 3, tt = (o >> 7) % TT, r = (o >> 7) / TT;
+    const int row = n0 + 16 * r + (ln >> 2) + 8 * (i >> 1);
+    const int tokn = 8 * tt + 2 * (ln & 3) + (i & 1);
+    if (row < N && tokn < M) {
+      float v = 0.f;
+#pragma unroll
+      for (int w = 0; w < WARPS; ++w) v += red[w * PER_WARP + o];
+      u16 bits;
+      asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(bits) : "f"(v * out_scale));
+      y[(long)tokn * ldy + row] = bits;
+    }
+  }
+}
+"""
+
+# (rows per CTA / 16, warps per CTA). TT (token tiles of 8) follows from M.
+CONFIGS = [(1, 8), (2, 8), (1, 4), (2, 4), (1, 16), (2, 16)]
+_KERNELS = {}
+
+
+def source(R: int, TT: int, WARPS: int) -> str:
+    """The kernel source specialised for R row tiles, TT token tiles and WARPS warps per CTA."""
+    min_blocks = max(1, 16 // WARPS)             # >= 16 warps per SM: caps registers at 128
+    return f"#define R {R}\n#define TT {TT}\n#define WARPS {WARPS}\n#define MIN_BLOCKS {min_blocks}\n" + _SRC
+
+
+def available() -> bool:
+    """True where NVRTC compilation through torch is there (torch >= 2.8 on CUDA)."""
+    return torch.cuda.is_available() and hasattr(torch.cuda, "_compile_kernel")
+
+
+def supported(x: torch.Tensor, qdata: torch.Tensor, scale: torch.Tensor) -> bool:
+    """Whether this kernel handles the call (else the Triton path does)."""
+    M, K = x.shape
+    return (x.is_cuda and x.dtype == torch.bfloat16 and 1 <= M <= 16 and K % 128 == 0
+            and x.stride(1) == 1 and x.stride(0) % 8 == 0
+            and x.data_ptr() % 16 == 0 and qdata.data_ptr() % 16 == 0 and scale.data_ptr() % 2 == 0
+            and torch.cuda.get_device_capability(x.device) >= (8, 9) and available())
+
+
+def _kernel(R: int, TT: int, WARPS: int, device: torch.device):
+    key = (R, TT, WARPS, device.index)
+    k = _KERNELS.get(key)
+    if k is None:
+        with torch.cuda.device(device):
+            k = torch.cuda._compile_kernel(source(R, TT, WARPS), "nvfp4_skinny_fwd")
+        _KERNELS[key] = k
+    return k
+
+
+def forward(x, qdata, scale_u8, pts, out, R: int = 1, WARPS: int = 8):
+    """out[M, N] = x[M, K] @ W^T * pts for bf16 x with M <= 16 (see ``supported``)."""
+    M, K = x.shape
+    N = qdata.shape[0]
+    TT = 1 if M <= 8 else 2
+    kern = _kernel(R, TT, WARPS, x.device)
+    grid = ((N + 16 * R - 1) // (16 * R), 1, 1)
+    kern(grid=grid, block=(WARPS * 32, 1, 1),
+         args=[x, qdata, scale_u8, pts, out, M, N, K, x.stride(0), out.stride(0)])
+    return out
