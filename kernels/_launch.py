@@ -40,8 +40,8 @@ def _interpret() -> bool:
 class Config:
     """One launch choice. ``kind`` 'fused', 'cuda' or 'dequant'. ``split`` None = from ``waves``.
 
-    For 'cuda' only ``BN`` (weight rows per CTA, 16 or 32) and ``warps`` (K split inside the CTA)
-    are read."""
+    For 'cuda' only ``BN`` (weight rows per CTA, 16 or 32), ``warps`` (K split inside the CTA),
+    ``split`` (K split across CTAs) and ``sm_warps`` are read."""
     kind: str = "fused"
     BM: int = 16
     BN: int = 128
@@ -52,12 +52,14 @@ class Config:
     split: int | None = None
     waves: float = 2.0          # target programs = waves * #SMs when choosing split
     v2: bool = False            # compile with mma.sync (Triton's DISABLE_MMA_V3) instead of wgmma
+    sm_warps: int = 16          # cuda: registers capped so this many warps fit on an SM
 
     def short(self) -> str:
         if self.kind == "dequant":
             return "dequant+cublas"
         if self.kind == "cuda":
-            return f"cuda BN{self.BN} w{self.warps}"
+            return (f"cuda BN{self.BN} w{self.warps} split={self.split or 'auto'}"
+                    f"{'' if self.sm_warps == 16 else f' occ{self.sm_warps}'}")
         return (f"BM{self.BM} BN{self.BN} BK{self.BK} w{self.warps} s{self.stages}"
                 f"{' swap' if self.swap else ''}{' v2' if self.v2 else ''}"
                 f"{'' if self.waves == 2.0 else f' waves{self.waves:g}'} split={self.split or 'auto'}")
@@ -70,8 +72,8 @@ def _fused(BM, BN, BK, warps=4, stages=3, swap=False, **kw):
     return Config("fused", BM, BN, BK, warps, stages, swap, **kw)
 
 
-def _cuda(BN, warps):
-    return Config("cuda", 16, BN, 128, warps)
+def _cuda(BN, warps, split=None, sm_warps=16):
+    return Config("cuda", 16, BN, 128, warps, 1, split=split, sm_warps=sm_warps)
 
 
 # Candidates per M bucket; the first is the default used without tuning. "BN" is the weight-row
@@ -84,7 +86,9 @@ def candidates(op: str, mb: int) -> list:
     if mb > 1024:
         return [DEQUANT]
     if mb <= 16:
-        cuda = [_cuda(32, 8), _cuda(16, 8), _cuda(32, 4), _cuda(16, 4), _cuda(16, 16)] if op == "fwd" else []
+        C = _cuda
+        cuda = [C(32, 4, 1), C(16, 8, 1), C(16, 4, 1), C(32, 8, 1), C(16, 8), C(16, 4), C(32, 4),
+                C(16, 8, 1, 24), C(16, 4, 1, 24), C(16, 8, None, 24)] if op == "fwd" else []
         return cuda + [F(16, 64, 256, 4, 3), F(16, 128, 128, 4, 4), F(16, 64, 128, 4, 4), F(16, 128, 64, 4, 4),
                 F(16, 64, 256, 4, 3, waves=8.0), F(16, 128, 64, 4, 4, waves=8.0), F(16, 64, 256, 8, 3),
                 F(16, 128, 128, 8, 4), F(16, 32, 256, 4, 4)]
@@ -205,7 +209,8 @@ def _run(op, a, qdata, scale, pts, out, cfg: Config):
         from . import nvfp4_skinny
         if op == "fwd" and not _interpret() and nvfp4_skinny.supported(a, qdata, scale):
             return nvfp4_skinny.forward(a, qdata, scale.view(torch.uint8), _pts(pts), out,
-                                        R=cfg.BN // 16, WARPS=cfg.warps)
+                                        lambda n: _counters(a.device, n), R=cfg.BN // 16,
+                                        WARPS=cfg.warps, split=cfg.split, SM_WARPS=cfg.sm_warps)
         cfg = next(c for c in candidates(op, _bucket(a.shape[0])) if c.kind != "cuda")
     if cfg.kind == "dequant":
         w = dequantize(qdata, scale, pts, a.dtype)

@@ -41,42 +41,53 @@ typedef unsigned short u16;
 
 // 4 bytes of one row-pair step -> the 4 A-fragment registers (see the module docstring).
 // wg / wg8: the word holding bytes (2s, 2s+1) of rows g / g+8; sel: which half of it;
-// sg / sg8: bf16x2 of (block scale * 2^118) for rows g / g+8.
+// sg / sg8: bf16x2 of (block scale * 2^118) of groups (2t, 2t+1) for rows g / g+8, HI: use the high
+// half (group 2t+1); the broadcast of one half is an operand modifier of HMUL2/HFMA2, not an op.
+#define DECODE_ASM(H)                                                                   \
+  "{\n"                                                                               \
+  ".reg .b32 t0, t1, a, b, z, s0, s1;\n"                                              \
+  ".reg .b16 l0, h0, l1, h1;\n"                                                       \
+  "mov.b32 {l0, h0}, %7;\n"                                                          \
+  "mov.b32 {l1, h1}, %8;\n"                                                          \
+  "mov.b32 s0, {" H "0, " H "0};\n"                                                  \
+  "mov.b32 s1, {" H "1, " H "1};\n"                                                  \
+  "mov.b32 z, 0x80008000;\n"                                                          \
+  "prmt.b32 t0, %4, %4, %6;\n"                                                        \
+  "prmt.b32 t1, %5, %5, %6;\n"                                                        \
+  "shl.b32 a, t0, 4; shr.b32 b, t0, 2;\n"                                             \
+  "and.b32 a, a, 0x80008000; and.b32 b, b, 0x01C001C0; or.b32 a, a, b;\n"             \
+  "fma.rn.bf16x2 %0, a, s0, z;\n"                                                     \
+  "shl.b32 a, t1, 4; shr.b32 b, t1, 2;\n"                                             \
+  "and.b32 a, a, 0x80008000; and.b32 b, b, 0x01C001C0; or.b32 a, a, b;\n"             \
+  "fma.rn.bf16x2 %1, a, s1, z;\n"                                                     \
+  "shr.b32 b, t0, 6;\n"                                                               \
+  "and.b32 a, t0, 0x80008000; and.b32 b, b, 0x01C001C0; or.b32 a, a, b;\n"            \
+  "fma.rn.bf16x2 %2, a, s0, z;\n"                                                     \
+  "shr.b32 b, t1, 6;\n"                                                               \
+  "and.b32 a, t1, 0x80008000; and.b32 b, b, 0x01C001C0; or.b32 a, a, b;\n"            \
+  "fma.rn.bf16x2 %3, a, s1, z;\n"                                                     \
+  "}\n"
+
+template <bool HI>
 __device__ __forceinline__ void decode_step(u32 wg, u32 wg8, u32 sel, u32 sg, u32 sg8,
                                             u32 &a0, u32 &a1, u32 &a2, u32 &a3) {
-  asm("{\n"
-      ".reg .b32 t0, t1, a, b, z;\n"
-      "mov.b32 z, 0x80008000;\n"
-      "prmt.b32 t0, %4, %4, %6;\n"
-      "prmt.b32 t1, %5, %5, %6;\n"
-      "shl.b32 a, t0, 4; shr.b32 b, t0, 2;\n"
-      "and.b32 a, a, 0x80008000; and.b32 b, b, 0x01C001C0; or.b32 a, a, b;\n"
-      "fma.rn.bf16x2 %0, a, %7, z;\n"
-      "shl.b32 a, t1, 4; shr.b32 b, t1, 2;\n"
-      "and.b32 a, a, 0x80008000; and.b32 b, b, 0x01C001C0; or.b32 a, a, b;\n"
-      "fma.rn.bf16x2 %1, a, %8, z;\n"
-      "shr.b32 b, t0, 6;\n"
-      "and.b32 a, t0, 0x80008000; and.b32 b, b, 0x01C001C0; or.b32 a, a, b;\n"
-      "fma.rn.bf16x2 %2, a, %7, z;\n"
-      "shr.b32 b, t1, 6;\n"
-      "and.b32 a, t1, 0x80008000; and.b32 b, b, 0x01C001C0; or.b32 a, a, b;\n"
-      "fma.rn.bf16x2 %3, a, %8, z;\n"
-      "}\n"
-      : "=r"(a0), "=r"(a1), "=r"(a2), "=r"(a3)
-      : "r"(wg), "r"(wg8), "r"(sel), "r"(sg), "r"(sg8));
+  if (HI)
+    asm(DECODE_ASM("h") : "=r"(a0), "=r"(a1), "=r"(a2), "=r"(a3)
+        : "r"(wg), "r"(wg8), "r"(sel), "r"(sg), "r"(sg8));
+  else
+    asm(DECODE_ASM("l") : "=r"(a0), "=r"(a1), "=r"(a2), "=r"(a3)
+        : "r"(wg), "r"(wg8), "r"(sel), "r"(sg), "r"(sg8));
 }
 
-// Two e4m3 block scales (low byte first) -> two bf16x2 registers of (scale * 2^118), exact.
-__device__ __forceinline__ void scales_bf16x2(u32 s16, u32 &lo, u32 &hi) {
-  u32 h2;
+// Two e4m3 block scales (low byte first) -> one bf16x2 of (scale * 2^118), exact.
+__device__ __forceinline__ u32 scales_bf16x2(u32 s16) {
+  u32 h2, out;
   asm("{\n.reg .b16 s;\ncvt.u16.u32 s, %1;\ncvt.rn.f16x2.e4m3x2 %0, s;\n}\n" : "=r"(h2) : "r"(s16));
   float f0, f1;
   asm("{\n.reg .f16 l, h;\nmov.b32 {l, h}, %2;\ncvt.f32.f16 %0, l;\ncvt.f32.f16 %1, h;\n}\n"
       : "=f"(f0), "=f"(f1) : "r"(h2));
-  f0 *= 0x1p118f;
-  f1 *= 0x1p118f;
-  asm("cvt.rn.bf16x2.f32 %0, %1, %1;" : "=r"(lo) : "f"(f0));
-  asm("cvt.rn.bf16x2.f32 %0, %1, %1;" : "=r"(hi) : "f"(f1));
+  asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(out) : "f"(f1 * 0x1p118f), "f"(f0 * 0x1p118f));
+  return out;
 }
 
 __device__ __forceinline__ void mma_bf16(float (&c)[4], u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
@@ -105,6 +116,19 @@ __device__ __forceinline__ uint4 ldg16(const void *p) {
   return v;
 }
 
+__device__ __forceinline__ void fence_gpu() { asm volatile("fence.acq_rel.gpu;" ::: "memory"); }
+__device__ __forceinline__ int atomic_add_gpu(int *p, int v) {
+  int old;
+  asm volatile("atom.acq_rel.gpu.global.add.s32 %0, [%1], %2;" : "=r"(old) : "l"(p), "r"(v) : "memory");
+  return old;
+}
+__device__ __forceinline__ float ld_cg(const float *p) {
+  float v;
+  asm volatile("ld.global.cg.f32 %0, [%1];" : "=f"(v) : "l"(p));
+  return v;
+}
+
+
 struct Chunk {
   uint4 q[R][2];      // 16 bytes of rows g, g+8 of each row tile
   u32 s[R][2];        // the two e4m3 scales (groups 2t, 2t+1) of each of those rows
@@ -112,13 +136,12 @@ struct Chunk {
 };
 
 // Pointers of one thread, advanced by 2 * WARPS chunks per loop trip. Out-of-range rows and
-// tokens read row 0 / token 0 instead (valid memory, finite values) and the rows' scales read as 0,
-// so they contribute exact zeros; their outputs are never stored. K is a multiple of 128.
+// tokens read row 0 / token 0 instead (valid memory); they only feed outputs that are never
+// stored (a row's output depends on that row alone, a token's on that token). K % 128 == 0.
 struct Ptrs {
   const unsigned char *q[R][2];
   const unsigned char *s[R][2];
   const u16 *x[TT];
-  bool rok[R][2];
 };
 
 __device__ __forceinline__ void load(const Ptrs &p, int off, Chunk &ch) {
@@ -128,7 +151,7 @@ __device__ __forceinline__ void load(const Ptrs &p, int off, Chunk &ch) {
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       ch.q[r][h] = ldg16(p.q[r][h] + off * 64);
-      ch.s[r][h] = p.rok[r][h] ? ldg2(p.s[r][h] + off * 8) : 0u;
+      ch.s[r][h] = ldg2(p.s[r][h] + off * 8);
     }
 #pragma unroll
   for (int tt = 0; tt < TT; ++tt)
@@ -137,11 +160,11 @@ __device__ __forceinline__ void load(const Ptrs &p, int off, Chunk &ch) {
 }
 
 __device__ __forceinline__ void compute(const Chunk &cur, float (&acc)[R][TT][4]) {
-  u32 sbf[R][2][2];                                         // [tile][row g / g+8][group 2t / 2t+1]
+  u32 sbf[R][2];                                            // [tile][row g / g+8]: groups (2t, 2t+1)
 #pragma unroll
   for (int r = 0; r < R; ++r)
 #pragma unroll
-    for (int h = 0; h < 2; ++h) scales_bf16x2(cur.s[r][h], sbf[r][h][0], sbf[r][h][1]);
+    for (int h = 0; h < 2; ++h) sbf[r][h] = scales_bf16x2(cur.s[r][h]);
 #pragma unroll
   for (int s = 0; s < 8; ++s) {
     u32 b[TT][2];
@@ -160,7 +183,8 @@ __device__ __forceinline__ void compute(const Chunk &cur, float (&acc)[R][TT][4]
       const u32 wg = wi == 0 ? qa.x : wi == 1 ? qa.y : wi == 2 ? qa.z : qa.w;
       const u32 wg8 = wi == 0 ? qb.x : wi == 1 ? qb.y : wi == 2 ? qb.z : qb.w;
       u32 a0, a1, a2, a3;
-      decode_step(wg, wg8, sel, sbf[r][0][s >> 2], sbf[r][1][s >> 2], a0, a1, a2, a3);
+      if (s >= 4) decode_step<true>(wg, wg8, sel, sbf[r][0], sbf[r][1], a0, a1, a2, a3);  // group 2t+1
+      else decode_step<false>(wg, wg8, sel, sbf[r][0], sbf[r][1], a0, a1, a2, a3);        // group 2t
 #pragma unroll
       for (int tt = 0; tt < TT; ++tt) mma_bf16(acc[r][tt], a0, a1, a2, a3, b[tt][0], b[tt][1]);
     }
@@ -170,12 +194,15 @@ __device__ __forceinline__ void compute(const Chunk &cur, float (&acc)[R][TT][4]
 extern "C" __global__ void __launch_bounds__(WARPS * 32, MIN_BLOCKS)
 nvfp4_skinny_fwd(const u16 *__restrict__ x, const unsigned char *__restrict__ q,
                  const unsigned char *__restrict__ sc, const float *__restrict__ pts,
-                 u16 *__restrict__ y, int M, int N, int K, int ldx, int ldy) {
+                 u16 *__restrict__ y, float *__restrict__ ws, int *__restrict__ cnt,
+                 int M, int N, int K, int ldx, int ldy, int cps) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int g = lane >> 2, t = lane & 3;
   const int n0 = blockIdx.x * (16 * R);
   const long kb = K >> 1, kg = K >> 4;
-  const int nchunks = K >> 7;
+  // this CTA's chunks: [c_begin, c_end); its warp w takes c_begin + w, + WARPS, ...
+  const int c_begin = blockIdx.y * cps;
+  const int nchunks = (int)(blockIdx.y + 1) * cps < (K >> 7) ? (int)(blockIdx.y + 1) * cps : (K >> 7);
 
   Ptrs p;
 #pragma unroll
@@ -183,15 +210,14 @@ nvfp4_skinny_fwd(const u16 *__restrict__ x, const unsigned char *__restrict__ q,
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       const int n = n0 + 16 * r + g + 8 * h;
-      p.rok[r][h] = n < N;
-      const long nn = p.rok[r][h] ? n : 0;
-      p.q[r][h] = q + nn * kb + 16 * t + warp * 64;
-      p.s[r][h] = sc + nn * kg + 2 * t + warp * 8;
+      const long nn = n < N ? n : 0;
+      p.q[r][h] = q + nn * kb + 16 * t + (c_begin + warp) * 64;
+      p.s[r][h] = sc + nn * kg + 2 * t + (c_begin + warp) * 8;
     }
 #pragma unroll
   for (int tt = 0; tt < TT; ++tt) {
     const int m = 8 * tt + g;
-    p.x[tt] = x + (long)(m < M ? m : 0) * ldx + 32 * t + warp * 128;
+    p.x[tt] = x + (long)(m < M ? m : 0) * ldx + 32 * t + (c_begin + warp) * 128;
   }
 
   float acc[R][TT][4];
@@ -206,7 +232,7 @@ nvfp4_skinny_fwd(const u16 *__restrict__ x, const unsigned char *__restrict__ q,
   // flight while chunk c is decoded. The last chunk of a ragged K (!KFULL) may cover k >= K for
   // some threads: those read k = 0 of their rows with zero scales.
   Chunk b0, b1;
-  int c = warp;
+  int c = c_begin + warp;
   if (c < nchunks) load(p, 0, b0);
   while (c < nchunks) {
     // b0 holds chunk c; this trip decodes c (b0) and c + WARPS (b1)
@@ -237,30 +263,52 @@ nvfp4_skinny_fwd(const u16 *__restrict__ x, const unsigned char *__restrict__ q,
       for (int i = 0; i < 4; ++i) red[warp * PER_WARP + ((r * TT + tt) * 4 + i) * 32 + lane] = acc[r][tt][i];
   __syncthreads();
   const float out_scale = *pts * 256.0f;
+  const int split = gridDim.y;
+  float *tile_ws = ws + (long)blockIdx.x * PER_WARP;        // ws[split][tiles][PER_WARP]
+  const long split_stride = (long)gridDim.x * PER_WARP;
+  for (int o = threadIdx.x; o < PER_WARP; o += WARPS * 32) {
+    float v = 0.f;
+#pragma unroll
+    for (int w = 0; w < WARPS; ++w) v += red[w * PER_WARP + o];
+    red[o] = v;                            // (each o is read and written by one thread only)
+  }
+  if (split > 1) {
+    for (int o = threadIdx.x; o < PER_WARP; o += WARPS * 32) tile_ws[blockIdx.y * split_stride + o] = red[o];
+    fence_gpu();
+    __syncthreads();
+    __shared__ int last;
+    if (threadIdx.x == 0) last = atomic_add_gpu(cnt + blockIdx.x, 1) == split - 1;
+    __syncthreads();
+    if (!last) return;
+    fence_gpu();
+    for (int o = threadIdx.x; o < PER_WARP; o += WARPS * 32) {
+      float v = 0.f;
+      for (int s2 = 0; s2 < split; ++s2) v += ld_cg(tile_ws + s2 * split_stride + o);
+      red[o] = v;
+    }
+    if (threadIdx.x == 0) atomic_add_gpu(cnt + blockIdx.x, -split);   // back to 0: reusable, no memset
+  }
   for (int o = threadIdx.x; o < PER_WARP; o += WARPS * 32) {
     const int ln = o & 31, i = (o >> 5) & 3, tt = (o >> 7) % TT, r = (o >> 7) / TT;
     const int row = n0 + 16 * r + (ln >> 2) + 8 * (i >> 1);
     const int tokn = 8 * tt + 2 * (ln & 3) + (i & 1);
     if (row < N && tokn < M) {
-      float v = 0.f;
-#pragma unroll
-      for (int w = 0; w < WARPS; ++w) v += red[w * PER_WARP + o];
       u16 bits;
-      asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(bits) : "f"(v * out_scale));
+      asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(bits) : "f"(red[o] * out_scale));
       y[(long)tokn * ldy + row] = bits;
     }
   }
 }
 """
 
-# (rows per CTA / 16, warps per CTA). TT (token tiles of 8) follows from M.
-CONFIGS = [(1, 8), (2, 8), (1, 4), (2, 4), (1, 16), (2, 16)]
 _KERNELS = {}
+_SMS = {}
 
 
-def source(R: int, TT: int, WARPS: int) -> str:
-    """The kernel source specialised for R row tiles, TT token tiles and WARPS warps per CTA."""
-    min_blocks = max(1, 16 // WARPS)             # >= 16 warps per SM: caps registers at 128
+def source(R: int, TT: int, WARPS: int, SM_WARPS: int = 16) -> str:
+    """The kernel source for R row tiles (16 rows each), TT token tiles (8 tokens each), WARPS warps
+    per CTA and register use capped so that SM_WARPS warps fit on one SM (16: 128 registers)."""
+    min_blocks = max(1, SM_WARPS // WARPS)
     return f"#define R {R}\n#define TT {TT}\n#define WARPS {WARPS}\n#define MIN_BLOCKS {min_blocks}\n" + _SRC
 
 
@@ -274,27 +322,53 @@ def supported(x: torch.Tensor, qdata: torch.Tensor, scale: torch.Tensor) -> bool
     M, K = x.shape
     return (x.is_cuda and x.dtype == torch.bfloat16 and 1 <= M <= 16 and K % 128 == 0
             and x.stride(1) == 1 and x.stride(0) % 8 == 0
-            and x.data_ptr() % 16 == 0 and qdata.data_ptr() % 16 == 0 and scale.data_ptr() % 2 == 0
+            and x.data_ptr() % 16 == 0 and qdata.data_ptr() % 16 == 0 and scale.data_ptr() % 16 == 0
             and torch.cuda.get_device_capability(x.device) >= (8, 9) and available())
 
 
-def _kernel(R: int, TT: int, WARPS: int, device: torch.device):
-    key = (R, TT, WARPS, device.index)
+def _kernel(R: int, TT: int, WARPS: int, SM_WARPS: int, device: torch.device):
+    key = (R, TT, WARPS, SM_WARPS, device.index)
     k = _KERNELS.get(key)
     if k is None:
         with torch.cuda.device(device):
-            k = torch.cuda._compile_kernel(source(R, TT, WARPS), "nvfp4_skinny_fwd")
+            k = torch.cuda._compile_kernel(source(R, TT, WARPS, SM_WARPS), "nvfp4_skinny_fwd")
         _KERNELS[key] = k
     return k
 
 
-def forward(x, qdata, scale_u8, pts, out, R: int = 1, WARPS: int = 8):
-    """out[M, N] = x[M, K] @ W^T * pts for bf16 x with M <= 16 (see ``supported``)."""
+def auto_split(tiles: int, WARPS: int, chunks: int, device: torch.device, waves: float = 2.0) -> int:
+    """Splits of K across CTAs so that ~``waves`` x (16 warps x SMs) warps run, each warp keeping at
+    least 2 chunks (a short warp spends most of its time filling its prefetch)."""
+    i = device.index if device.index is not None else torch.cuda.current_device()
+    if i not in _SMS:
+        _SMS[i] = torch.cuda.get_device_properties(i).multi_processor_count
+    want = int(waves * 16 * _SMS[i])
+    split = max(1, -(-want // (tiles * WARPS)))
+    return max(1, min(split, chunks // (2 * WARPS), 32))
+
+
+def forward(x, qdata, scale_u8, pts, out, counters, R: int = 1, WARPS: int = 8,
+            split: int | None = None, SM_WARPS: int = 16):
+    """out[M, N] = x[M, K] @ W^T * pts for bf16 x with M <= 16 (see ``supported``).
+
+    ``counters(n)`` returns an int32 buffer of >= n zeros that the kernel leaves at zero."""
     M, K = x.shape
     N = qdata.shape[0]
     TT = 1 if M <= 8 else 2
-    kern = _kernel(R, TT, WARPS, x.device)
-    grid = ((N + 16 * R - 1) // (16 * R), 1, 1)
-    kern(grid=grid, block=(WARPS * 32, 1, 1),
-         args=[x, qdata, scale_u8, pts, out, M, N, K, x.stride(0), out.stride(0)])
+    if TT == 2:
+        SM_WARPS = min(SM_WARPS, 16)            # two token tiles need the 128 registers
+    tiles, chunks = -(-N // (16 * R)), K // 128
+    if split is None:
+        split = auto_split(tiles, WARPS, chunks, x.device)
+    split = max(1, min(split, chunks))
+    cps = -(-chunks // split)
+    split = -(-chunks // cps)
+    if split > 1:
+        ws = torch.empty(split * tiles * R * TT * 128, dtype=torch.float32, device=x.device)
+        cnt = counters(tiles)
+    else:
+        ws, cnt = out, out                      # not read
+    kern = _kernel(R, TT, WARPS, SM_WARPS, x.device)
+    kern(grid=(tiles, split, 1), block=(WARPS * 32, 1, 1),
+         args=[x, qdata, scale_u8, pts, out, ws, cnt, M, N, K, x.stride(0), out.stride(0), cps])
     return out

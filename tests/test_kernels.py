@@ -218,8 +218,8 @@ def test_gpu_split_reduction_deterministic_and_graph_safe():
 
 
 # ------------------------------------------------------------- CUDA skinny forward (M <= 16)
-def _skinny_configs():
-    return [(1, 8), (2, 8), (1, 4), (2, 4), (1, 16), (2, 16)]
+def _skinny_configs():   # (BN, warps, split): every knob, incl. forced cross-CTA splits
+    return [(16, 8, None), (32, 4, None), (16, 4, 1), (32, 8, 1), (16, 16, None), (32, 4, 3), (16, 4, 7)]
 
 
 def test_skinny_source_compiles_without_spills():
@@ -245,13 +245,13 @@ def test_skinny_source_compiles_without_spills():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not CUDA, reason="needs CUDA")
-@pytest.mark.parametrize("R,WARPS", _skinny_configs())
-def test_gpu_skinny_forward(R, WARPS):
+@pytest.mark.parametrize("BN,WARPS,SPLIT", _skinny_configs())
+def test_gpu_skinny_forward(BN, WARPS, SPLIT):
     """Against the fp64 reference: M across one and two token tiles, N off the 16/32-row tiles,
     K from one chunk (fewer chunks than warps) to many, a strided activation, poisoned outputs."""
     from kernels import _launch as L, nvfp4_skinny
     assert nvfp4_skinny.available(), "torch.cuda._compile_kernel (NVRTC) missing"
-    cfg = L._cuda(16 * R, WARPS)
+    cfg = L._cuda(BN, WARPS, SPLIT)
     for M, N, K in [(1, 16, 128), (2, 40, 896), (8, 4608, 3584), (9, 100, 1024), (16, 3584, 18944),
                     (5, 257, 3584)]:
         q, s, p = rand_weight(N, K, "cuda")
@@ -264,7 +264,7 @@ def test_gpu_skinny_forward(R, WARPS):
         torch.cuda.synchronize()
         assert torch.equal(y, y2), "not deterministic"
         err = rel_err(y, xs.double().cpu() @ W.t())
-        assert err <= 1e-2, f"R={R} W={WARPS} M={M} N={N} K={K}: {err:.2e}"
+        assert err <= 1e-2, f"{cfg.short()} M={M} N={N} K={K}: {err:.2e}"
 
 
 @pytest.mark.gpu
@@ -281,12 +281,12 @@ def test_gpu_skinny_exact_decode_every_k():
     p = torch.tensor(0.0123, dtype=torch.float32)
     ref = ref_weight(q, s, p).to(torch.bfloat16)                                   # [N, K]
     qc, sc_, pc = q.cuda(), s.cuda(), p.cuda()
-    for R, WARPS in [(1, 8), (2, 4)]:
+    for cfg in [L._cuda(16, 8), L._cuda(32, 4, 2)]:
         for k0 in range(0, K, 16):
             x = torch.zeros(16, K, dtype=torch.bfloat16)
             x[torch.arange(16), k0 + torch.arange(16)] = 1.0
-            y = L.linear_forward(x.cuda(), qc, sc_, pc, config=L._cuda(16 * R, WARPS)).cpu()
-            assert torch.equal(y, ref[:, k0:k0 + 16].t()), (R, WARPS, k0)
+            y = L.linear_forward(x.cuda(), qc, sc_, pc, config=cfg).cpu()
+            assert torch.equal(y, ref[:, k0:k0 + 16].t()), (cfg.short(), k0)
 
 
 @pytest.mark.gpu
@@ -296,7 +296,7 @@ def test_gpu_skinny_in_cuda_graph():
     q, s, p = rand_weight(1000, 2048, "cuda")
     x = torch.randn(3, 2048, device="cuda", dtype=torch.bfloat16)
     out = torch.full((3, 1000), float("nan"), device="cuda", dtype=torch.bfloat16)
-    cfg = L._cuda(32, 8)
+    cfg = L._cuda(32, 4, 2)                                                         # split: counters
     L.linear_forward(x, q, s, p, out=out, config=cfg)                               # compile outside
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
