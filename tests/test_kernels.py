@@ -243,6 +243,13 @@ def test_skinny_source_compiles_without_spills():
             assert "0 bytes spill stores" in r.stderr and "stack frame" in r.stderr, r.stderr
 
 
+def test_skinny_loadonly_benchmark_still_applies():
+    """benchmarks/skinny_loadonly.py edits the kernel source by string: the edits must still hit."""
+    from kernels import nvfp4_skinny
+    src = nvfp4_skinny.source(2, 1, 4)
+    assert 'extern "C" __global__' in src and "compute(b0, acc);" in src and "compute(b1, acc);" in src
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not CUDA, reason="needs CUDA")
 @pytest.mark.parametrize("BN,WARPS,SPLIT", _skinny_configs())
