@@ -4,7 +4,7 @@ Lightning estimates "params size" as parameters x 4 bytes, which for a frozen NV
 (0.5625 B per weight: packed e2m1 codes + e4m3 block scales) or NF4 overstates the memory the
 run holds by up to 7x. ``WeightBytesSummary`` prints the same table with the bytes the tensors
 actually occupy; ``QeRLModule.configure_callbacks`` puts it in place of Lightning's default summary
-(``trainer.enable_model_summary: false`` still turns the summary off).
+(``trainer.enable_model_summary: false`` still turns the summary off; a custom summary stays).
 """
 
 from __future__ import annotations
@@ -17,13 +17,14 @@ from qerl.model import base_weight_bytes
 _Base = RichModelSummary if _RICH_AVAILABLE else ModelSummary
 
 
-def replacing_default_summary(callbacks: list) -> list:
-    """``[WeightBytesSummary]`` when ``callbacks`` hold Lightning's own summary (as
-    ``enable_model_summary`` adds it), with its depth; else nothing (off, or a custom one)."""
-    summaries = [cb for cb in callbacks if isinstance(cb, ModelSummary)]
-    if len(summaries) != 1 or type(summaries[0]) not in (ModelSummary, RichModelSummary):
-        return []
-    return [WeightBytesSummary(max_depth=summaries[0]._max_depth)]
+def replace_default_summary(callbacks: list) -> None:
+    """Swap Lightning's own summary in ``callbacks`` (as ``enable_model_summary`` adds it) for a
+    ``WeightBytesSummary`` of the same depth, in place; leave the list alone when the summary is
+    off or a custom one. (In place rather than returned from ``configure_callbacks``, which would
+    make Lightning print an "will override existing callbacks" line on every run.)"""
+    at = [i for i, cb in enumerate(callbacks) if isinstance(cb, ModelSummary)]
+    if len(at) == 1 and type(callbacks[at[0]]) in (ModelSummary, RichModelSummary):
+        callbacks[at[0]] = WeightBytesSummary(max_depth=callbacks[at[0]]._max_depth)
 
 
 def weight_megabytes(pl_module) -> float:

@@ -204,9 +204,10 @@ class QeRLModule(EvaluationMixin, L.LightningModule):
 
     def configure_callbacks(self):
         """Lightning's summary prints params x 4 B as the model size; this one the real bytes (NVFP4 packed)."""
-        from callbacks.summary import replacing_default_summary
+        from callbacks.summary import replace_default_summary
 
-        return replacing_default_summary(self.trainer.callbacks)
+        replace_default_summary(self.trainer.callbacks)
+        return []
 
     def trainable_parameters(self) -> list[torch.nn.Parameter]:
         return [p for p in self.model.parameters() if p.requires_grad]

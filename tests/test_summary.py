@@ -34,14 +34,37 @@ def test_summary_size_is_the_real_weight_bytes(quantization, monkeypatch):
 
 def test_replaces_only_lightnings_own_summary():
     for default in (ModelSummary(max_depth=2), RichModelSummary(max_depth=2)):
-        (ours,) = summary.replacing_default_summary([ModelCheckpoint(), default])
-        assert isinstance(ours, summary.WeightBytesSummary) and ours._max_depth == 2
-    assert summary.replacing_default_summary([ModelCheckpoint()]) == []  # enable_model_summary: false
+        cbs = [ModelCheckpoint(), default]
+        summary.replace_default_summary(cbs)
+        assert isinstance(cbs[1], summary.WeightBytesSummary) and cbs[1]._max_depth == 2
+        assert isinstance(cbs[0], ModelCheckpoint)
+    cbs = [ModelCheckpoint()]
+    summary.replace_default_summary(cbs)                      # enable_model_summary: false
+    assert len(cbs) == 1 and isinstance(cbs[0], ModelCheckpoint)
 
     class Custom(ModelSummary):
         pass
 
-    assert summary.replacing_default_summary([Custom()]) == []  # a user's own summary stays
+    cbs = [Custom()]
+    summary.replace_default_summary(cbs)                      # a user's own summary stays
+    assert type(cbs[0]) is Custom
+
+
+def test_trainer_prints_no_override_line(monkeypatch):
+    """The swap happens through configure_callbacks without Lightning's "will override" info line."""
+    import lightning.pytorch.trainer.connectors.callback_connector as connector
+
+    said = []
+    monkeypatch.setattr(connector, "rank_zero_info", lambda msg, *a, **k: said.append(msg))
+    module = QeRLModule(model="tiny-qwen2", quantization="bf16", dtype="fp32")
+    trainer = L.Trainer(logger=False, accelerator="cpu", enable_progress_bar=False, enable_checkpointing=False,
+                        max_steps=0)
+    trainer.strategy.connect(module)
+    module.trainer = trainer                                   # as fit() does before attaching
+    trainer._callback_connector._attach_model_callbacks()
+    assert not any("override" in m for m in said), said
+    assert sum(isinstance(cb, summary.WeightBytesSummary) for cb in trainer.callbacks) == 1
+    assert not any(type(cb) in (ModelSummary, RichModelSummary) for cb in trainer.callbacks)
 
 
 def test_trainable_norms_are_counted_once():
