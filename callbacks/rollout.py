@@ -38,6 +38,9 @@ class RolloutCallback(L.Callback):
         max_batch_size: sequences decoded together by the hf engine.
         cuda_graphs: hf engine on CUDA: decode from a static KV cache with the one-token step
             replayed as a CUDA graph (6-11x faster at small batch); false = one eager forward per token.
+        hf_adapter_dtype: hf engine: ``model`` runs the LoRA adapters in the model's dtype while
+            generating (as vLLM does; much faster on a bf16 model); ``stored`` in their trained
+            dtype (fp32), so the sampler's log-probs equal the trainer's (see ``qerl.rollout.hf.HFEngine``).
         dynamic_sampling: DAPO: drop groups whose rewards (before overlong shaping) are all equal and
             refill from fresh prompts.
         max_refill_rounds: at most this many extra generation rounds per step for dynamic sampling.
@@ -58,6 +61,7 @@ class RolloutCallback(L.Callback):
         engine: Literal["hf", "vllm"] = "hf",
         max_batch_size: int = 64,
         cuda_graphs: bool = True,
+        hf_adapter_dtype: Literal["model", "stored"] = "model",
         dynamic_sampling: bool = False,
         max_refill_rounds: int = 2,
         overlong_buffer: int = 0,
@@ -79,6 +83,9 @@ class RolloutCallback(L.Callback):
         self.engine_name = engine
         self.max_batch_size = max_batch_size
         self.cuda_graphs = cuda_graphs
+        if hf_adapter_dtype not in ("model", "stored"):
+            raise ValueError(f"RolloutCallback: hf_adapter_dtype must be 'model' or 'stored', got {hf_adapter_dtype!r}")
+        self.hf_adapter_dtype = hf_adapter_dtype
         self.dynamic_sampling = dynamic_sampling
         self.max_refill_rounds = max_refill_rounds
         self.overlong_buffer = overlong_buffer
@@ -95,7 +102,8 @@ class RolloutCallback(L.Callback):
         if self.engine_name == "hf":
             from qerl.rollout.hf import HFEngine
 
-            return HFEngine(stop, tok.pad_token_id, self.max_batch_size, cuda_graphs=self.cuda_graphs)
+            return HFEngine(stop, tok.pad_token_id, self.max_batch_size, cuda_graphs=self.cuda_graphs,
+                            adapter_dtype=self.hf_adapter_dtype)
         if self.engine_name == "vllm":
             from qerl.rollout.vllm import VLLMEngine
 

@@ -96,7 +96,8 @@ class EvaluationMixin:
 
                 self._evaluation_engine = HFEngine(stop_token_ids(self.tokenizer, self.model),
                                                   self.tokenizer.pad_token_id, self.eval_settings.max_batch_size,
-                                                  cuda_graphs=getattr(rollout_cb, "cuda_graphs", True))
+                                                  cuda_graphs=getattr(rollout_cb, "cuda_graphs", True),
+                                                  adapter_dtype=getattr(rollout_cb, "hf_adapter_dtype", "model"))
             engine = self._evaluation_engine
         scales = self.noisy_norms.effective_scales() if self.noisy_norms is not None else None
         engine.sync(self.model, scales, adapter=self.eval_settings.use_adapter)

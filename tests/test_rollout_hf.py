@@ -76,6 +76,41 @@ def test_truncated_sampling_returns_the_log_probs_it_sampled_from():
         assert torch.any(kept > full + 1e-3)  # a real truncation happened somewhere
 
 
+def test_adapters_run_in_the_model_dtype_while_generating():
+    """peft keeps trainable adapters in fp32 on a bf16 model; the engine casts them to bf16 for the
+    duration of generate (adapter_dtype='model') or leaves them ('stored'), and always hands the
+    trainer back the same fp32 Parameters, bitwise."""
+    model, tok = _policy(dtype="bf16")
+    lora = {n: p for n, p in model.named_parameters() if "lora_" in n}
+    assert lora and {p.dtype for p in lora.values()} == {torch.float32}
+    before = {n: (p, p.detach().clone()) for n, p in lora.items()}
+    seen = []
+    a_layer = next(m for n, m in model.named_modules() if n.endswith("q_proj.lora_A.default"))
+    hook = a_layer.register_forward_pre_hook(lambda mod, args: seen.append(mod.weight.dtype))
+    outs = {}
+    try:
+        for adapter_dtype, want in (("model", torch.bfloat16), ("stored", torch.float32)):
+            seen.clear()
+            engine = HFEngine([tok.eos_token_id], tok.pad_token_id, max_batch_size=8, adapter_dtype=adapter_dtype)
+            engine.sync(model)
+            outs[adapter_dtype] = engine.generate(PROMPTS, 1, SamplingSettings(temperature=0.0, max_new_tokens=6), seed=0)
+            assert seen and set(seen) == {want}, (adapter_dtype, set(seen))
+            for n, p in model.named_parameters():
+                if n in before:
+                    assert p is before[n][0] and p.dtype == torch.float32 and torch.equal(p, before[n][1])
+        seen.clear()
+        engine.sync(model, adapter=False)                   # reference policy: no adapter, nothing cast
+        engine.generate(PROMPTS, 1, SamplingSettings(temperature=0.0, max_new_tokens=2), seed=0)
+        assert not seen
+    finally:
+        hook.remove()
+    # the same policy up to bf16 rounding of the adapter: the first greedy token's log-prob is close
+    first = [(a[0], b[0]) for a, b in zip(outs["model"].sampler_logprobs, outs["stored"].sampler_logprobs)]
+    assert all(abs(a - b) < 0.05 for a, b in first), first
+    with pytest.raises(ValueError, match="adapter_dtype"):
+        HFEngine([0], 0, adapter_dtype="fp16")
+
+
 def test_decode_mode():
     assert decode_mode("cuda", True, "sdpa") == "graph" and decode_mode("cuda", True, "eager") == "graph"
     assert decode_mode("cpu", True, "sdpa") == "dynamic" and decode_mode("cuda", False, "sdpa") == "dynamic"

@@ -21,6 +21,7 @@ import contextlib
 import logging
 import time
 import warnings
+from typing import Literal
 
 import torch
 import torch.nn.functional as F
@@ -166,6 +167,23 @@ def _abandon_capture(graph: torch.cuda.CUDAGraph, stream: torch.cuda.Stream) -> 
     del reset
 
 
+@contextlib.contextmanager
+def adapters_cast_to(model: torch.nn.Module, dtype: torch.dtype):
+    """Within the block the LoRA weights (``lora_*`` parameters) hold ``dtype`` copies; on exit the
+    same Parameter objects get their original tensors back (bitwise; optimizer state untouched).
+    For no-grad use only (generation): nothing may step or backprop through the copies."""
+    saved = []
+    for name, p in model.named_parameters():
+        if "lora_" in name and p.is_floating_point() and p.dtype != dtype:
+            saved.append((p, p.data))
+            p.data = p.data.to(dtype)
+    try:
+        yield
+    finally:
+        for p, original in saved:
+            p.data = original
+
+
 def decode_mode(device_type: str, cuda_graphs: bool, attn_implementation: str, static: bool | None = None) -> str:
     """``graph`` (static cache, CUDA graph), ``static`` (static cache, eager) or ``dynamic``.
     ``static=True`` forces the static cache (tests run it on the CPU), ``False`` the dynamic one;
@@ -185,14 +203,24 @@ class HFEngine(RolloutEngine):
         max_batch_size: sequences decoded together; larger prompt sets are done in chunks.
         cuda_graphs: on CUDA, decode with a static KV cache replayed as a CUDA graph (sdpa or eager
             attention); otherwise, and on CPU, one eager forward per token with HF's dynamic cache.
+        adapter_dtype: ``model``: while generating, the LoRA weights are cast to the model's
+            activation dtype (bf16), as vLLM runs them; ``stored``: as trained (peft keeps trainable
+            adapters in fp32 and then casts every activation to fp32 and back around two fp32 GEMVs
+            per adapted linear: 60% of a 7B bf16 decode step's kernel time at batch 1,
+            ``benchmarks/profile_hf_decode.py``). ``stored`` makes the sampler's log-probs equal the
+            trainer's up to kernel rounding; ``model`` leaves a bf16-sized gap that the trainer's
+            importance-sampling correction sees (``train/is_ratio``).
     """
 
     def __init__(self, stop_token_ids: list[int], pad_token_id: int, max_batch_size: int = 64,
-                 cuda_graphs: bool = True):
+                 cuda_graphs: bool = True, adapter_dtype: Literal["model", "stored"] = "model"):
+        if adapter_dtype not in ("model", "stored"):
+            raise ValueError(f"HFEngine: adapter_dtype must be 'model' or 'stored', got {adapter_dtype!r}")
         self.stop_token_ids = sorted(set(stop_token_ids))
         self.pad_token_id = pad_token_id
         self.max_batch_size = max_batch_size
         self.cuda_graphs = cuda_graphs
+        self.adapter_dtype = adapter_dtype
         self.model: torch.nn.Module | None = None
         self.adapter = True
 
@@ -215,8 +243,10 @@ class HFEngine(RolloutEngine):
         was_training = self.model.training
         self.model.eval()
         adapter_off = self.model.disable_adapter() if not self.adapter else contextlib.nullcontext()
+        cast = (adapters_cast_to(self.model, self.model.get_input_embeddings().weight.dtype)
+                if self.adapter and self.adapter_dtype == "model" else contextlib.nullcontext())
         try:
-            with adapter_off:
+            with adapter_off, cast:
                 for lo in range(0, len(repeated), self.max_batch_size):
                     chunk = self._generate_chunk(repeated[lo: lo + self.max_batch_size], sampling, gen)
                     out.completion_ids += chunk.completion_ids
