@@ -78,9 +78,11 @@ def _cuda(BN, warps, split=None, sm_warps=16):
 
 # Candidates per M bucket; the first is the default used without tuning. "BN" is the weight-row
 # tile (output N for fwd, reduction N for bwd); "BK" the K tile (reduction for fwd, output for bwd).
-# Offline SASS (sm_90a) of the M <= 16 default: mma.sync with the decoded weight fed from registers,
-# ~4.7 instructions per weight element per K step; the "swap" variants use wgmma with the weight as
-# the register A operand but pay more shuffles (~6.2/elem).
+# M <= 8 forward: the CUDA kernel first (it won every Qwen 7B/32B shape on the H200, ~3.3 SASS
+# instructions per weight). Triton at M <= 16 (offline SASS, sm_90a): mma.sync with the decoded
+# weight fed from registers, ~4.7 instructions per weight element per K step; the "swap" variants
+# use wgmma with the weight as the register A operand but pay more shuffles (~6.2/elem). At
+# 9-16 tokens the CUDA kernel's two token tiles lose to Triton on most shapes: Triton first.
 def candidates(op: str, mb: int) -> list:
     F = _fused
     if mb > 1024:
@@ -89,9 +91,10 @@ def candidates(op: str, mb: int) -> list:
         C = _cuda
         cuda = [C(32, 4, 1), C(16, 8, 1), C(16, 4, 1), C(32, 8, 1), C(16, 8), C(16, 4), C(32, 4),
                 C(16, 8, 1, 24), C(16, 4, 1, 24), C(16, 8, None, 24)] if op == "fwd" else []
-        return cuda + [F(16, 64, 256, 4, 3), F(16, 128, 128, 4, 4), F(16, 64, 128, 4, 4), F(16, 128, 64, 4, 4),
-                F(16, 64, 256, 4, 3, waves=8.0), F(16, 128, 64, 4, 4, waves=8.0), F(16, 64, 256, 8, 3),
-                F(16, 128, 128, 8, 4), F(16, 32, 256, 4, 4)]
+        triton = [F(16, 64, 256, 4, 3), F(16, 128, 128, 4, 4), F(16, 64, 128, 4, 4), F(16, 128, 64, 4, 4),
+                  F(16, 64, 256, 4, 3, waves=8.0), F(16, 128, 64, 4, 4, waves=8.0), F(16, 64, 256, 8, 3),
+                  F(16, 128, 128, 8, 4), F(16, 32, 256, 4, 4)]
+        return cuda + triton if mb <= 8 else triton[:1] + cuda + triton[1:]
     if mb <= 32:
         return [F(32, 64, 128, 4, 4), F(32, 128, 64, 4, 4, True, v2=True), F(32, 64, 128, 4, 4, True, v2=True),
                 F(32, 64, 256, 4, 3), F(16, 64, 256, 4, 3)]
