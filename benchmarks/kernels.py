@@ -1,6 +1,10 @@
-"""Benchmark the NVFP4 W4A16 Triton kernels against bf16 cuBLAS and torchao on one GPU.
+"""Benchmark the NVFP4 W4A16 kernels (Triton + the CUDA skinny forward) against bf16 cuBLAS and torchao.
 
     python benchmarks/kernels.py [--models 7b,32b] [--ms 1,8,16,64,256,1024,4096] [--out PATH]
+        [--tune [--write-presets kernels/presets_h200.json]]
+
+Without ``--tune`` every call uses the pinned configs of ``kernels/presets_h200.json``; with it the
+tuner picks per shape in this run, and ``--write-presets`` stores its winners as the new pins.
 
 For every Qwen2.5 linear shape (q/k/v fused, o, gate/up fused, down) and token count M it times,
 side by side in one process: bf16 ``x @ W^T`` (cuBLAS), torchao's ``NVFP4Tensor`` linear (if
@@ -167,7 +171,13 @@ def main():
                                                   "results", "kernels_h200.json"))
     ap.add_argument("--no-torchao", action="store_true")
     ap.add_argument("--tune", action="store_true", help="ignore the pinned presets, autotune every shape")
+    ap.add_argument("--write-presets", default=None, metavar="PATH",
+                    help="with --tune: write the pinned presets with this run's winners in place of the "
+                         "old ones for the shapes measured (e.g. kernels/presets_h200.json)")
     args = ap.parse_args()
+    if args.write_presets and not args.tune:
+        ap.error("--write-presets needs --tune")
+    pinned = dict(L.KERNEL_PRESETS)
     if args.tune:
         L.KERNEL_PRESETS.clear()
     Ms = [int(m) for m in args.ms.split(",")]
@@ -195,6 +205,16 @@ def main():
               f"{s['bf16_bwd_input_ms']:9.4f} {s['nvfp4_bwd_input_ms']:8.4f} {s['fwd_plus_bwd_vs_bf16']:10.3f} {ta:>8}")
     _write(args.out, bw, rows, sums)
     print(f"wrote {args.out}")
+    if args.write_presets:
+        from kernels._presets import write_presets
+        table = dict(pinned)
+        for (op, _dt, mb, n, k), cfg in L._TUNED.items():      # tuned here with bf16 activations
+            for dt in (torch.bfloat16, torch.float16):
+                table[(op, dt, mb, n, k)] = cfg
+        write_presets(table, args.write_presets, device=torch.cuda.get_device_name(),
+                      how=f"winners of the graph-timed tuner: python benchmarks/kernels.py {' '.join(sys.argv[1:])}"
+                          f" ({time.strftime('%Y-%m-%d')}; shapes not measured then keep their earlier preset)")
+        print(f"wrote {args.write_presets} ({len(L._TUNED)} tuned keys)")
 
 
 def _write(path, bw, rows, sums):
@@ -202,7 +222,7 @@ def _write(path, bw, rows, sums):
             "torch": torch.__version__, "triton": __import__("triton").__version__,
             "python": platform.python_version(),
             "timing": "CUDA graph of R calls over R weight copies, CUDA-event median per call",
-            "configs": "presets (kernels/_presets.py)" if L.KERNEL_PRESETS else "autotuned in this run",
+            "configs": "presets (kernels/presets_h200.json)" if L.KERNEL_PRESETS else "autotuned in this run",
             "floor": "bytes(packed weight + e4m3 scales + x + y) / copy_bandwidth"}
     os.makedirs(os.path.dirname(path), exist_ok=True)
     with open(path, "w") as f:

@@ -313,7 +313,7 @@ __all__ = ["Config", "DEQUANT", "candidates", "dequantize", "linear_forward", "l
            "tune", "KERNEL_PRESETS", "replace"]
 
 
-from ._presets import qwen_presets  # noqa: E402  (needs _fused / DEQUANT above)
+from ._presets import qwen_presets  # noqa: E402  (reads Config, defined above)
 
 if os.environ.get("QERL_KERNELS_PRESETS", "1") != "0":
     KERNEL_PRESETS.update(qwen_presets())

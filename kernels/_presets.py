@@ -1,118 +1,58 @@
-"""Pinned kernel configs for the Qwen2.5-7B / 32B linear shapes on the H200.
+"""Pinned kernel configs (``kernels/presets_h200.json``): the Qwen2.5-7B / 32B linear shapes on the H200.
 
-Winners of the graph-timed tuner (``kernels._launch.tune``, ``benchmarks/kernels.py --tune``) on
-the H200, keyed by (op, bucket(M), N, K); applied for bf16 and fp16 activations (a ``cuda``
-preset runs the Triton default for fp16, which the CUDA kernel does not take). With a preset no timing happens on first use, so the first call may also be
-made during CUDA-graph capture. ``QERL_KERNELS_PRESETS=0`` ignores them (then the tuner runs).
+Winners of the graph-timed tuner (``kernels._launch.tune``), written by
+``python benchmarks/kernels.py --tune --write-presets kernels/presets_h200.json``, keyed by
+(op, bucket(M), N, K) and applied for bf16 and fp16 activations (a ``cuda`` preset runs the Triton
+default for fp16, which the CUDA kernel does not take). With a preset no timing happens on first
+use, so the first call may also be made during CUDA-graph capture. ``QERL_KERNELS_PRESETS=0``
+ignores them (then the tuner runs).
 """
+
+import dataclasses
+import json
+import os
 
 import torch
 
-from ._launch import DEQUANT, _cuda, _fused
+PRESETS_FILE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "presets_h200.json")
+_DTYPES = (torch.bfloat16, torch.float16)
+
+
+def load_presets(path: str = PRESETS_FILE) -> dict:
+    """{(op, dtype, bucket, N, K): Config} from a presets file (fields left out take Config's defaults)."""
+    from ._launch import Config      # (here: _launch imports this module while it initialises)
+
+    with open(path) as f:
+        rows = json.load(f)["configs"]
+    out = {}
+    for r in rows:
+        cfg = Config(**r["config"])
+        for dt in _DTYPES:
+            out[(r["op"], dt, int(r["bucket"]), int(r["N"]), int(r["K"]))] = cfg
+    return out
+
+
+def presets_rows(table: dict) -> list[dict]:
+    """The file's rows for {(op, dtype, bucket, N, K): Config} (one row per key without the dtype;
+    fields equal to Config's defaults are left out)."""
+    from ._launch import Config
+
+    default = dataclasses.asdict(Config())
+    rows = {}
+    for (op, _dt, mb, n, k), cfg in table.items():
+        d = {f: v for f, v in dataclasses.asdict(cfg).items() if f == "kind" or v != default[f]}
+        rows[(op, mb, n, k)] = {"op": op, "bucket": mb, "N": n, "K": k, "config": d}
+    return [rows[key] for key in sorted(rows, key=lambda t: (t[2], t[3], t[1], t[0] != "fwd"))]
+
+
+def write_presets(table: dict, path: str, how: str, device: str) -> None:
+    """Write ``table`` as a presets file, one config per line."""
+    rows = presets_rows(table)
+    with open(path, "w") as f:
+        f.write('{\n"device": %s,\n"how": %s,\n"configs": [\n' % (json.dumps(device), json.dumps(how)))
+        f.write(",\n".join(json.dumps(r, separators=(", ", ": ")) for r in rows))
+        f.write("\n]}\n")
 
 
 def qwen_presets() -> dict:
-    F, C = _fused, _cuda
-    table = {
-    ("fwd", 1, 4608, 3584): C(16, 4, 1),
-    ("bwd", 1, 4608, 3584): F(16, 128, 128, 8, 4),
-    ("fwd", 8, 4608, 3584): C(16, 4, 1),
-    ("bwd", 8, 4608, 3584): F(16, 128, 128, 8, 4),
-    ("fwd", 16, 4608, 3584): F(16, 64, 256, 4, 3),
-    ("bwd", 16, 4608, 3584): F(16, 128, 128, 8, 4),
-    ("fwd", 64, 4608, 3584): F(32, 64, 128, 4, 4),
-    ("bwd", 64, 4608, 3584): F(64, 128, 64, 4, 4),
-    ("fwd", 256, 4608, 3584): DEQUANT,
-    ("bwd", 256, 4608, 3584): DEQUANT,
-    ("fwd", 1024, 4608, 3584): DEQUANT,
-    ("bwd", 1024, 4608, 3584): DEQUANT,
-    ("fwd", 1, 3584, 3584): C(16, 8),
-    ("bwd", 1, 3584, 3584): F(16, 128, 64, 4, 4, waves=8.0),
-    ("fwd", 8, 3584, 3584): C(16, 8, 1),
-    ("bwd", 8, 3584, 3584): F(16, 128, 64, 4, 4, waves=8.0),
-    ("fwd", 16, 3584, 3584): C(16, 8, 1),
-    ("bwd", 16, 3584, 3584): F(16, 128, 64, 4, 4, waves=8.0),
-    ("fwd", 64, 3584, 3584): F(32, 64, 128, 4, 4),
-    ("bwd", 64, 3584, 3584): F(64, 128, 64, 4, 4),
-    ("fwd", 256, 3584, 3584): DEQUANT,
-    ("bwd", 256, 3584, 3584): DEQUANT,
-    ("fwd", 1024, 3584, 3584): DEQUANT,
-    ("bwd", 1024, 3584, 3584): DEQUANT,
-    ("fwd", 1, 37888, 3584): C(32, 4, 1),
-    ("bwd", 1, 37888, 3584): F(16, 128, 64, 4, 4, waves=8.0),
-    ("fwd", 8, 37888, 3584): C(32, 4, 1),
-    ("bwd", 8, 37888, 3584): F(16, 128, 64, 4, 4, waves=8.0),
-    ("fwd", 16, 37888, 3584): F(16, 64, 256, 4, 3, waves=8.0),
-    ("bwd", 16, 37888, 3584): F(16, 128, 64, 4, 4, waves=8.0),
-    ("fwd", 64, 37888, 3584): F(64, 128, 64, 4, 4, True, v2=True),
-    ("bwd", 64, 37888, 3584): F(64, 128, 64, 4, 4),
-    ("fwd", 256, 37888, 3584): DEQUANT,
-    ("bwd", 256, 37888, 3584): DEQUANT,
-    ("fwd", 1024, 37888, 3584): DEQUANT,
-    ("bwd", 1024, 37888, 3584): DEQUANT,
-    ("fwd", 1, 3584, 18944): C(16, 8, 1),
-    ("bwd", 1, 3584, 18944): F(16, 128, 64, 4, 4, waves=8.0),
-    ("fwd", 8, 3584, 18944): C(16, 8, 1),
-    ("bwd", 8, 3584, 18944): F(16, 128, 64, 4, 4, waves=8.0),
-    ("fwd", 16, 3584, 18944): F(16, 64, 256, 4, 3, waves=8.0),
-    ("bwd", 16, 3584, 18944): F(16, 128, 64, 4, 4, waves=8.0),
-    ("fwd", 64, 3584, 18944): F(64, 128, 64, 4, 4, True, v2=True),
-    ("bwd", 64, 3584, 18944): F(64, 128, 64, 4, 4),
-    ("fwd", 256, 3584, 18944): DEQUANT,
-    ("bwd", 256, 3584, 18944): DEQUANT,
-    ("fwd", 1024, 3584, 18944): DEQUANT,
-    ("bwd", 1024, 3584, 18944): DEQUANT,
-    ("fwd", 1, 7168, 5120): C(32, 8, 1),
-    ("bwd", 1, 7168, 5120): F(16, 128, 64, 4, 4, waves=8.0),
-    ("fwd", 8, 7168, 5120): C(32, 8, 1),
-    ("bwd", 8, 7168, 5120): F(16, 128, 64, 4, 4, waves=8.0),
-    ("fwd", 16, 7168, 5120): F(16, 64, 256, 4, 3),
-    ("bwd", 16, 7168, 5120): F(16, 128, 64, 4, 4, waves=8.0),
-    ("fwd", 64, 7168, 5120): F(32, 64, 128, 4, 4),
-    ("bwd", 64, 7168, 5120): F(64, 128, 64, 4, 4),
-    ("fwd", 256, 7168, 5120): DEQUANT,
-    ("bwd", 256, 7168, 5120): DEQUANT,
-    ("fwd", 1024, 7168, 5120): DEQUANT,
-    ("bwd", 1024, 7168, 5120): DEQUANT,
-    ("fwd", 1, 5120, 5120): C(16, 4, 1),
-    ("bwd", 1, 5120, 5120): F(16, 128, 64, 4, 4, waves=8.0),
-    ("fwd", 8, 5120, 5120): C(16, 8, 1, 24),
-    ("bwd", 8, 5120, 5120): F(16, 128, 64, 4, 4, waves=8.0),
-    ("fwd", 16, 5120, 5120): F(16, 64, 256, 4, 3),
-    ("bwd", 16, 5120, 5120): F(16, 128, 64, 4, 4, waves=8.0),
-    ("fwd", 64, 5120, 5120): F(32, 64, 128, 4, 4),
-    ("bwd", 64, 5120, 5120): F(64, 128, 64, 4, 4),
-    ("fwd", 256, 5120, 5120): DEQUANT,
-    ("bwd", 256, 5120, 5120): DEQUANT,
-    ("fwd", 1024, 5120, 5120): DEQUANT,
-    ("bwd", 1024, 5120, 5120): DEQUANT,
-    ("fwd", 1, 55296, 5120): C(32, 4, 1),
-    ("bwd", 1, 55296, 5120): F(16, 128, 64, 4, 4, waves=8.0),
-    ("fwd", 8, 55296, 5120): C(32, 4, 1),
-    ("bwd", 8, 55296, 5120): F(16, 128, 64, 4, 4, waves=8.0),
-    ("fwd", 16, 55296, 5120): F(16, 64, 256, 4, 3),
-    ("bwd", 16, 55296, 5120): F(16, 128, 64, 4, 4, waves=8.0),
-    ("fwd", 64, 55296, 5120): F(64, 128, 64, 4, 4, True, v2=True),
-    ("bwd", 64, 55296, 5120): F(64, 128, 64, 4, 4),
-    ("fwd", 256, 55296, 5120): DEQUANT,
-    ("bwd", 256, 55296, 5120): DEQUANT,
-    ("fwd", 1024, 55296, 5120): DEQUANT,
-    ("bwd", 1024, 55296, 5120): DEQUANT,
-    ("fwd", 1, 5120, 27648): C(16, 4),
-    ("bwd", 1, 5120, 27648): F(16, 128, 64, 4, 4, waves=8.0),
-    ("fwd", 8, 5120, 27648): C(16, 4),
-    ("bwd", 8, 5120, 27648): F(16, 128, 64, 4, 4, waves=8.0),
-    ("fwd", 16, 5120, 27648): F(16, 64, 256, 4, 3, waves=8.0),
-    ("bwd", 16, 5120, 27648): F(16, 128, 64, 4, 4, waves=8.0),
-    ("fwd", 64, 5120, 27648): F(64, 128, 64, 4, 4, True, v2=True),
-    ("bwd", 64, 5120, 27648): F(64, 128, 64, 4, 4),
-    ("fwd", 256, 5120, 27648): DEQUANT,
-    ("bwd", 256, 5120, 27648): DEQUANT,
-    ("fwd", 1024, 5120, 27648): DEQUANT,
-    ("bwd", 1024, 5120, 27648): DEQUANT,
-    }
-    out = {}
-    for (op, mb, n, k), cfg in table.items():
-        for dt in (torch.bfloat16, torch.float16):
-            out[(op, dt, mb, n, k)] = cfg
-    return out
+    return load_presets(PRESETS_FILE)

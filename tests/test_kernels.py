@@ -243,6 +243,22 @@ def test_skinny_source_compiles_without_spills():
             assert "0 bytes spill stores" in r.stderr and "stack frame" in r.stderr, r.stderr
 
 
+def test_presets_file_round_trip(tmp_path):
+    """kernels/presets_h200.json loads into the tuner's keys (bf16 and fp16), survives a write/load
+    round trip, and pins only what each op can run (the CUDA kernel is forward-only)."""
+    import torch as T
+    from kernels import _launch as L, _presets as P
+    table = P.load_presets()
+    assert table and all(k[1] in (T.bfloat16, T.float16) for k in table)
+    assert all(c.kind in ("fused", "cuda", "dequant") for c in table.values())
+    assert not any(c.kind == "cuda" for k, c in table.items() if k[0] == "bwd")
+    assert table[("fwd", T.bfloat16, 1, 37888, 3584)].kind == "cuda"          # 7B gate_up at M = 1
+    P.write_presets(table, tmp_path / "p.json", how="test", device="cpu")
+    assert P.load_presets(tmp_path / "p.json") == table
+    if os.environ.get("QERL_KERNELS_PRESETS", "1") != "0":
+        assert all(L.KERNEL_PRESETS[k] == c for k, c in table.items())
+
+
 def test_skinny_loadonly_benchmark_still_applies():
     """benchmarks/skinny_loadonly.py edits the kernel source by string: the edits must still hit."""
     from kernels import nvfp4_skinny
