@@ -9,8 +9,9 @@ bottom:
    the live log-probs *are* the old ones) and reference log-probs with the adapter disabled and
    AQN noise off (only when ``kl_coef > 0``);
 3. ``updates_per_rollout`` optimizer steps, each accumulating gradients over micro-batches of the
-   clipped surrogate (separate low/high clip), k3 KL, truncated importance sampling against the
-   sampler's log-probs, aggregated as grpo / bnpo / dapo / dr_grpo; then clip, step, schedule.
+   clipped surrogate (separate low/high clip), k3 KL, optional entropy bonus, truncated importance
+   sampling against the sampler's log-probs, aggregated as grpo / bnpo / dapo / dr_grpo; then
+   clip, step, schedule.
 
 x-axes: every ``train/*`` and ``time/*`` scalar is logged once per rollout batch at
 ``trainer.global_step``, which counts optimizer steps (it grows by ``updates_per_rollout`` per
@@ -52,6 +53,10 @@ class LossSettings:
         clip_low: ratio lower clip epsilon (1 - clip_low).
         clip_high: ratio upper clip epsilon (1 + clip_high); 0.28 is DAPO's clip-higher.
         kl_coef: weight of the k3 KL to the reference (adapter disabled, no noise); 0 skips that pass.
+        entropy_coef: weight of an entropy bonus (verl's entropy_coeff; the classic alternative to
+            AQN for keeping exploration up): minus entropy_coef x token entropy, aggregated like the
+            loss. 0 (default) keeps the entropy a logged, detached metric; > 0 backpropagates through
+            it, which keeps an fp32 (tokens x vocab) softmax per micro-batch alive for backward.
         updates_per_rollout: optimizer steps per rollout batch (QeRL GSM8K: 4; BigMath: 1).
         micro_batch_size: completions per forward/backward (gradient accumulation inside an update).
         tis_level: importance weights per token or per sequence (trainer vs sampler log-probs).
@@ -65,6 +70,7 @@ class LossSettings:
     clip_low: float = 0.2
     clip_high: float = 0.2
     kl_coef: float = 0.0
+    entropy_coef: float = 0.0
     updates_per_rollout: int = 1
     micro_batch_size: int = 8
     tis_level: Literal["token", "sequence"] = "token"
@@ -78,8 +84,8 @@ class LossSettings:
                 raise ValueError(f"model.loss.{key} must be >= 1, got {getattr(self, key)}")
         if self.tis_cap is not None and not self.tis_cap > 0:
             raise ValueError(f"model.loss.tis_cap must be > 0 (or null: no IS correction), got {self.tis_cap}")
-        if self.clip_low < 0 or self.clip_high < 0 or self.kl_coef < 0:
-            raise ValueError("model.loss.clip_low, clip_high and kl_coef must be >= 0")
+        if self.clip_low < 0 or self.clip_high < 0 or self.kl_coef < 0 or self.entropy_coef < 0:
+            raise ValueError("model.loss.clip_low, clip_high, kl_coef and entropy_coef must be >= 0")
 
 
 @dataclass
@@ -231,18 +237,21 @@ class QeRLModule(EvaluationMixin, L.LightningModule):
 
     def completion_logprobs(
         self, input_ids: torch.Tensor, attention_mask: torch.Tensor, completion_ids: torch.Tensor,
-        temperature: float, with_entropy: bool = False,
+        temperature: float, with_entropy: bool = False, entropy_grad: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Log-probs (and entropies) of the completion tokens under log softmax(logits / T).
 
-        input_ids = [left-padded prompt | right-padded completion], (n, P+T); returns (n, T)."""
+        input_ids = [left-padded prompt | right-padded completion], (n, P+T); returns (n, T).
+        The entropy is detached unless ``entropy_grad`` (the entropy bonus)."""
         T = completion_ids.shape[1]
         position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)  # same rule as the HF engine
         out = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                          use_cache=False, logits_to_keep=T + 1)
         logits = out.logits[:, :-1] / (temperature if temperature > 0 else 1.0)  # (n, T, V)
         logprobs = selective_log_softmax(logits, completion_ids)  # (n, T) fp32
-        entropy = entropy_from_logits(logits.detach()) if with_entropy else None
+        entropy = None
+        if with_entropy or entropy_grad:
+            entropy = entropy_from_logits(logits if entropy_grad else logits.detach())  # (n, T)
         return logprobs, entropy
 
     # ---------------------------------------------------------------- the step
@@ -286,7 +295,7 @@ class QeRLModule(EvaluationMixin, L.LightningModule):
             finite = True
             for mb in micro_batches:
                 with self._training_noise():
-                    logprobs, entropy = lp(mb, with_entropy=(update == 0))
+                    logprobs, entropy = lp(mb, with_entropy=(update == 0), entropy_grad=s.entropy_coef > 0)
                 old = old_logprobs[mb] if old_logprobs is not None else logprobs.detach()
                 is_weights = None
                 if s.tis_cap is not None:
@@ -296,7 +305,8 @@ class QeRLModule(EvaluationMixin, L.LightningModule):
                     logprobs, old, advantages[mb], loss_mask[mb], clip_low=s.clip_low, clip_high=s.clip_high,
                     aggregation=s.aggregation, is_weights=is_weights,
                     ref_logprobs=None if ref_logprobs is None else ref_logprobs[mb], kl_coef=s.kl_coef,
-                    max_completion_length=rollout.max_new_tokens, num_tokens_total=num_tokens, num_sequences_total=N,
+                    entropy=entropy, entropy_coef=s.entropy_coef, max_completion_length=rollout.max_new_tokens,
+                    num_tokens_total=num_tokens, num_sequences_total=N,
                 )
                 if s.aggregation == "bnpo":  # a local token mean: average over micro-batches
                     loss = loss / len(micro_batches)
@@ -309,7 +319,7 @@ class QeRLModule(EvaluationMixin, L.LightningModule):
                 for k, v in metrics.items():
                     sums[k] = sums.get(k, 0.0) + float(v) * weight / s.updates_per_rollout
                 if update == 0:
-                    entropy_sum += float(masked_mean(entropy, loss_mask[mb])) * weight
+                    entropy_sum += float(masked_mean(entropy.detach(), loss_mask[mb])) * weight
                     raw_ratio = torch.exp((old - rollout.sampler_logprobs[mb]).clamp(max=20))
                     is_ratio_sum += float(masked_mean(raw_ratio, loss_mask[mb])) * weight
             grad_norm = torch.nn.utils.clip_grad_norm_(self.trainable_parameters(), self.optim_settings.max_grad_norm)

@@ -231,6 +231,8 @@ def policy_loss(
     is_weights: Tensor | None = None,
     ref_logprobs: Tensor | None = None,
     kl_coef: float = 0.0,
+    entropy: Tensor | None = None,
+    entropy_coef: float = 0.0,
     max_completion_length: int | None = None,
     num_tokens_total: int | None = None,
     num_sequences_total: int | None = None,
@@ -243,8 +245,12 @@ def policy_loss(
     advantages: (N,) per sequence, or (N, T) per token.
     is_weights: optional (N, T) detached TIS/MIS weights (`truncated_is_weights`), multiplied
         into the surrogate (not into the KL term), as TRL does.
+    entropy: optional (N, T) token entropies of the current policy *with* grad
+        (`entropy_from_logits` on the live logits); with entropy_coef > 0 an entropy bonus
+        (verl's entropy_coeff) is subtracted per token, aggregated like the rest.
 
-    per-token loss = -min(r * A, clip(r, 1 - clip_low, 1 + clip_high) * A) [* w] [+ kl_coef * k3],
+    per-token loss = -min(r * A, clip(r, 1 - clip_low, 1 + clip_high) * A) [* w] [+ kl_coef * k3]
+                     [- entropy_coef * H],
     with r = exp(logprobs - old_logprobs), then `aggregate_loss(..., aggregation, ...)`.
     A clipped token has a constant surrogate, hence zero gradient: the update can't push the ratio
     further outside the trust region. clip_high > clip_low (DAPO: 0.28 vs 0.2) leaves more room
@@ -273,6 +279,10 @@ def policy_loss(
         kl = k3_kl(logprobs, ref_logprobs)  # (N, T)
         if kl_coef > 0.0:
             per_token = per_token + kl_coef * kl
+    if entropy_coef > 0.0:
+        if entropy is None:
+            raise ValueError("policy_loss: entropy_coef > 0 needs the per-token entropy")
+        per_token = per_token - entropy_coef * entropy.to(per_token.dtype)
 
     loss = aggregate_loss(
         per_token,

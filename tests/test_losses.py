@@ -260,6 +260,27 @@ def test_policy_loss_is_weights_and_kl():
     assert_close(m["kl"], t(kl_mean, torch.float32))
 
 
+def test_policy_loss_entropy_bonus():
+    """A = 0 leaves only -entropy_coef * H, aggregated like the loss; its gradient raises the entropy."""
+    logits = t([[[2.0, 0.0, -1.0], [0.5, 0.5, 0.5]]]).requires_grad_()          # (1, T=2, V=3)
+    H = entropy_from_logits(logits)                                                # (1, 2), with grad
+    lp = t([[-0.3, -1.1]]).requires_grad_()
+    mask = torch.ones(1, 2)
+    loss, _ = policy_loss(lp, None, t([0.0]), mask, aggregation="bnpo", entropy=H, entropy_coef=0.1)
+    assert_close(loss, -0.1 * H.detach().mean())
+    loss.backward()
+    # one gradient-descent step on the logits raises the (non-maximal) entropy of position 0 ...
+    with torch.no_grad():
+        assert entropy_from_logits(logits - 0.5 * logits.grad)[0, 0] > H[0, 0]
+    # ... and does nothing at position 1, already uniform (entropy at its maximum, zero gradient)
+    assert logits.grad[0, 1].abs().max() < 1e-6
+    with pytest.raises(ValueError, match="entropy"):
+        policy_loss(lp, None, t([0.0]), mask, entropy_coef=0.1)
+    # entropy_coef 0: the entropy is not in the loss even when passed
+    loss0, _ = policy_loss(lp, None, t([0.0]), mask, aggregation="bnpo", entropy=H)
+    assert_close(loss0, t(0.0))
+
+
 def test_policy_loss_on_policy_gradient():
     # old_logprobs=None: ratio is 1 but d ratio / d logprob = 1, so grad = -A / num_tokens
     lp = t([[-0.7, -1.2]]).requires_grad_()
