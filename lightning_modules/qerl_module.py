@@ -52,6 +52,8 @@ class LossSettings:
             dapo (token mean over the whole rollout batch), dr_grpo (sum / (N * max_new_tokens)).
         clip_low: ratio lower clip epsilon (1 - clip_low).
         clip_high: ratio upper clip epsilon (1 + clip_high); 0.28 is DAPO's clip-higher.
+        ratio_level: token (PPO/GRPO) or sequence (GSPO: one length-normalised ratio per completion,
+            clipped as a whole; use GSPO's tight clips, e.g. clip_low 3e-4 and clip_high 4e-4).
         kl_coef: weight of the k3 KL to the reference (adapter disabled, no noise); 0 skips that pass.
         entropy_coef: weight of an entropy bonus (verl's entropy_coeff; the classic alternative to
             AQN for keeping exploration up): minus entropy_coef x token entropy, aggregated like the
@@ -69,6 +71,7 @@ class LossSettings:
     aggregation: Literal["grpo", "bnpo", "dapo", "dr_grpo"] = "grpo"
     clip_low: float = 0.2
     clip_high: float = 0.2
+    ratio_level: Literal["token", "sequence"] = "token"
     kl_coef: float = 0.0
     entropy_coef: float = 0.0
     updates_per_rollout: int = 1
@@ -303,7 +306,7 @@ class QeRLModule(EvaluationMixin, L.LightningModule):
                                                       level=s.tis_level, mode=s.tis_mode, cap=s.tis_cap)
                 loss, metrics = policy_loss(
                     logprobs, old, advantages[mb], loss_mask[mb], clip_low=s.clip_low, clip_high=s.clip_high,
-                    aggregation=s.aggregation, is_weights=is_weights,
+                    aggregation=s.aggregation, ratio_level=s.ratio_level, is_weights=is_weights,
                     ref_logprobs=None if ref_logprobs is None else ref_logprobs[mb], kl_coef=s.kl_coef,
                     entropy=entropy, entropy_coef=s.entropy_coef, max_completion_length=rollout.max_new_tokens,
                     num_tokens_total=num_tokens, num_sequences_total=N,

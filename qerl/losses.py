@@ -228,6 +228,7 @@ def policy_loss(
     clip_low: float = 0.2,
     clip_high: float = 0.2,
     aggregation: Aggregation = "grpo",
+    ratio_level: Literal["token", "sequence"] = "token",
     is_weights: Tensor | None = None,
     ref_logprobs: Tensor | None = None,
     kl_coef: float = 0.0,
@@ -243,6 +244,10 @@ def policy_loss(
     old_logprobs: (N, T) pi_theta_old at rollout time; None means on-policy (one update per
         rollout), i.e. logprobs.detach(), so the ratio is 1 but its gradient is grad(logprobs).
     advantages: (N,) per sequence, or (N, T) per token.
+    ratio_level: token (PPO/GRPO: r_t = pi(y_t) / pi_old(y_t)) or sequence (GSPO: one ratio per
+        completion, s = exp(mean_t log r_t) over its valid tokens, shared by all its tokens and
+        clipped as a whole; its gradient is s * mean_t grad log pi(y_t). GSPO clips tightly,
+        e.g. clip_low 3e-4, clip_high 4e-4).
     is_weights: optional (N, T) detached TIS/MIS weights (`truncated_is_weights`), multiplied
         into the surrogate (not into the KL term), as TRL does.
     entropy: optional (N, T) token entropies of the current policy *with* grad
@@ -268,7 +273,12 @@ def policy_loss(
         advantages = advantages.unsqueeze(-1)  # (N, 1), broadcasts over T
     advantages = advantages.to(logprobs.dtype)
 
-    ratio = torch.exp(logprobs - old_logprobs)  # (N, T)
+    log_ratio = logprobs - old_logprobs  # (N, T)
+    if ratio_level == "sequence":
+        log_ratio = masked_mean(log_ratio, mask, dim=-1).unsqueeze(-1).expand_as(log_ratio)  # (N, T)
+    elif ratio_level != "token":
+        raise ValueError(f"policy_loss: ratio_level must be 'token' or 'sequence', got {ratio_level!r}")
+    ratio = torch.exp(log_ratio)  # (N, T)
     clipped_ratio = ratio.clamp(1.0 - clip_low, 1.0 + clip_high)  # (N, T)
     per_token = -torch.min(ratio * advantages, clipped_ratio * advantages)  # (N, T)
     if is_weights is not None:

@@ -260,6 +260,47 @@ def test_policy_loss_is_weights_and_kl():
     assert_close(m["kl"], t(kl_mean, torch.float32))
 
 
+def test_policy_loss_sequence_ratio_gspo():
+    """GSPO: s_i = exp(mean_t (lp - old)) over the valid tokens, shared by the sequence's tokens."""
+    lp = t([[-1.0, -2.0, -0.5], [-0.2, -0.4, -9.0]]).requires_grad_()
+    old = t([[-1.1, -2.1, -0.5], [-0.2, -0.5, 0.0]])
+    mask = t([[1.0, 1.0, 1.0], [1.0, 1.0, 0.0]])                     # row 1: 2 valid tokens
+    s0, s1 = math.exp((0.1 + 0.1 + 0.0) / 3), math.exp((0.0 + 0.1) / 2)  # 1.0689, 1.0513
+    adv = t([1.0, -1.0])
+    # wide clip: loss (grpo) = mean over sequences of -s_i * A_i
+    loss, m = policy_loss(lp, old, adv, mask, clip_low=0.2, clip_high=0.2, ratio_level="sequence")
+    assert_close(loss, t((-s0 + s1) / 2))
+    assert_close(m["ratio/mean"], t((3 * s0 + 2 * s1) / 5, torch.float32))
+    loss.backward()
+    # d loss / d lp_t = -A_i * s_i / |y_i| / N on valid tokens, 0 on padding
+    assert_close(lp.grad, t([[-s0 / 3 / 2] * 3, [s1 / 2 / 2, s1 / 2 / 2, 0.0]]))
+    # GSPO's tight clip (3e-4 / 4e-4): both sequences are outside it -- row 0 above 1 + 4e-4 with
+    # A > 0, row 1 above with A < 0 (the lower clip does not bind there) -> row 0 has no gradient
+    lp.grad = None
+    loss, m = policy_loss(lp, old, adv, mask, clip_low=3e-4, clip_high=4e-4, ratio_level="sequence")
+    loss.backward()
+    assert_close(lp.grad[0], t([0.0, 0.0, 0.0]))
+    assert lp.grad[1, :2].abs().min() > 0
+    assert_close(m["clip_ratio/high"], t(3 / 5, torch.float32))
+    with pytest.raises(ValueError, match="ratio_level"):
+        policy_loss(lp, old, adv, mask, ratio_level="group")
+
+
+def test_policy_loss_sequence_equals_token_on_policy():
+    """On policy (ratio 1) with grpo aggregation, GSPO's gradient equals GRPO's token-level one."""
+    lp = t([[-0.3, -1.2, -0.8], [-0.5, -0.9, -2.0]])
+    mask = t([[1.0, 1.0, 0.0], [1.0, 1.0, 1.0]])
+    adv = t([0.7, -1.3])
+    grads = []
+    for level in ("token", "sequence"):
+        x = lp.clone().requires_grad_()
+        loss, _ = policy_loss(x, None, adv, mask, ratio_level=level)
+        loss.backward()
+        grads.append((loss.detach(), x.grad))
+    assert_close(grads[0][0], grads[1][0])
+    assert_close(grads[0][1], grads[1][1])
+
+
 def test_policy_loss_entropy_bonus():
     """A = 0 leaves only -entropy_coef * H, aggregated like the loss; its gradient raises the entropy."""
     logits = t([[[2.0, 0.0, -1.0], [0.5, 0.5, 0.5]]]).requires_grad_()          # (1, T=2, V=3)

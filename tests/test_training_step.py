@@ -274,3 +274,14 @@ def test_entropy_bonus_changes_the_update_and_raises_entropy(policy, mismatched,
     assert h_bonus > h_plain + 0.005, (h_bonus, h_plain)       # measured: 4.544 vs 4.515 nats
     with pytest.raises(ValueError, match="entropy_coef"):
         LossSettings(entropy_coef=-0.1)
+
+
+def test_sequence_ratio_gspo(policy, mismatched, tmp_path):
+    """ratio_level: sequence (GSPO) equals token-level GRPO on the first, on-policy update and
+    differs on the second, off-policy one."""
+    kw = dict(updates_per_rollout=2, max_grad_norm=1e9, tis_cap=None)
+    token = fit(policy, mismatched, tmp_path / "token", **kw)
+    seq = fit(policy, mismatched, tmp_path / "seq", ratio_level="sequence", **kw)
+    scale = max_abs(token.grads[0])
+    assert max_diff(token.grads[0], seq.grads[0]) <= 1e-5 * scale
+    assert max_diff(token.grads[1], seq.grads[1]) > 1e-3 * max_abs(token.grads[1])
