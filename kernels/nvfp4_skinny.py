@@ -40,6 +40,8 @@ Compiled once per (R, TT, WARPS, SM_WARPS, device) with ``torch.cuda._compile_ke
 launched on the current stream, so it is captured by CUDA graphs like any kernel.
 """
 
+import warnings
+
 import torch
 
 _SRC = r"""
@@ -310,6 +312,11 @@ nvfp4_skinny_fwd(const u16 *__restrict__ x, const unsigned char *__restrict__ q,
 
 _KERNELS = {}
 _SMS = {}
+_BROKEN: list[str] = []     # why NVRTC compilation failed, once it has: then the Triton path runs
+
+
+class CompileError(RuntimeError):
+    """NVRTC could not build the kernel (no NVRTC library, an unsupported toolkit, ...)."""
 
 
 def source(R: int, TT: int, WARPS: int, SM_WARPS: int = 16) -> str:
@@ -320,8 +327,21 @@ def source(R: int, TT: int, WARPS: int, SM_WARPS: int = 16) -> str:
 
 
 def available() -> bool:
-    """True where NVRTC compilation through torch is there (torch >= 2.8 on CUDA)."""
-    return torch.cuda.is_available() and hasattr(torch.cuda, "_compile_kernel")
+    """True where NVRTC compilation through torch is there (torch >= 2.8 on CUDA) and has not failed."""
+    return not _BROKEN and torch.cuda.is_available() and hasattr(torch.cuda, "_compile_kernel")
+
+
+def compile_source(src: str):
+    """``torch.cuda._compile_kernel`` on the current device; a failure is remembered (``available()``
+    turns false: the callers fall back to Triton), warned about once, and raised as CompileError."""
+    try:
+        return torch.cuda._compile_kernel(src, "nvfp4_skinny_fwd")
+    except Exception as e:
+        if not _BROKEN:
+            warnings.warn(f"NVFP4 CUDA skinny kernel unavailable, using the Triton kernels instead "
+                          f"({type(e).__name__}: {str(e)[:300]})", RuntimeWarning, stacklevel=2)
+        _BROKEN.append(f"{type(e).__name__}: {e}")
+        raise CompileError(str(e)) from e
 
 
 def supported(x: torch.Tensor, qdata: torch.Tensor, scale: torch.Tensor) -> bool:
@@ -338,7 +358,7 @@ def _kernel(R: int, TT: int, WARPS: int, SM_WARPS: int, device: torch.device):
     k = _KERNELS.get(key)
     if k is None:
         with torch.cuda.device(device):
-            k = torch.cuda._compile_kernel(source(R, TT, WARPS, SM_WARPS), "nvfp4_skinny_fwd")
+            k = compile_source(source(R, TT, WARPS, SM_WARPS))
         _KERNELS[key] = k
     return k
 

@@ -259,6 +259,22 @@ def test_presets_file_round_trip(tmp_path):
         assert all(L.KERNEL_PRESETS[k] == c for k, c in table.items())
 
 
+def test_skinny_compile_failure_falls_back_once(monkeypatch):
+    """An NVRTC failure (no library, old toolkit) is warned about once and turns the CUDA path off,
+    so the callers use Triton instead of crashing."""
+    from kernels import nvfp4_skinny as S
+
+    def broken(src, name):
+        raise OSError("libnvrtc.so not found")
+
+    monkeypatch.setattr(S, "_BROKEN", [])
+    monkeypatch.setattr(torch.cuda, "_compile_kernel", broken, raising=False)
+    with pytest.warns(RuntimeWarning, match="Triton"):
+        with pytest.raises(S.CompileError):
+            S.compile_source("x")
+    assert S._BROKEN and not S.available()
+
+
 def test_skinny_loadonly_benchmark_still_applies():
     """benchmarks/skinny_loadonly.py edits the kernel source by string: the edits must still hit."""
     from kernels import nvfp4_skinny
