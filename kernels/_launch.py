@@ -213,8 +213,9 @@ def _run(op, a, qdata, scale, pts, out, cfg: Config):
         if op == "fwd" and not _interpret() and nvfp4_skinny.supported(a, qdata, scale):
             try:
                 return nvfp4_skinny.forward(a, qdata, scale.view(torch.uint8), _pts(pts), out,
-                                            lambda n: _counters(a.device, n), R=cfg.BN // 16,
-                                            WARPS=cfg.warps, split=cfg.split, SM_WARPS=cfg.sm_warps)
+                                            lambda n: _counters(a.device, n), _num_sms(a.device),
+                                            R=cfg.BN // 16, WARPS=cfg.warps, split=cfg.split,
+                                            SM_WARPS=cfg.sm_warps)
             except nvfp4_skinny.CompileError:      # warned once; Triton from now on
                 pass
         cfg = next(c for c in candidates(op, _bucket(a.shape[0])) if c.kind != "cuda")

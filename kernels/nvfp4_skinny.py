@@ -311,7 +311,6 @@ nvfp4_skinny_fwd(const u16 *__restrict__ x, const unsigned char *__restrict__ q,
 """
 
 _KERNELS = {}
-_SMS = {}
 _BROKEN: list[str] = []     # why NVRTC compilation failed, once it has: then the Triton path runs
 
 
@@ -363,22 +362,20 @@ def _kernel(R: int, TT: int, WARPS: int, SM_WARPS: int, device: torch.device):
     return k
 
 
-def auto_split(tiles: int, WARPS: int, chunks: int, device: torch.device, waves: float = 2.0) -> int:
+def auto_split(tiles: int, WARPS: int, chunks: int, num_sms: int, waves: float = 2.0) -> int:
     """Splits of K across CTAs so that ~``waves`` x (16 warps x SMs) warps run, each warp keeping at
     least 2 chunks (a short warp spends most of its time filling its prefetch)."""
-    i = device.index if device.index is not None else torch.cuda.current_device()
-    if i not in _SMS:
-        _SMS[i] = torch.cuda.get_device_properties(i).multi_processor_count
-    want = int(waves * 16 * _SMS[i])
+    want = int(waves * 16 * num_sms)
     split = max(1, -(-want // (tiles * WARPS)))
     return max(1, min(split, chunks // (2 * WARPS), 32))
 
 
-def forward(x, qdata, scale_u8, pts, out, counters, R: int = 1, WARPS: int = 8,
+def forward(x, qdata, scale_u8, pts, out, counters, num_sms: int, R: int = 1, WARPS: int = 8,
             split: int | None = None, SM_WARPS: int = 16):
     """out[M, N] = x[M, K] @ W^T * pts for bf16 x with M <= 16 (see ``supported``).
 
-    ``counters(n)`` returns an int32 buffer of >= n zeros that the kernel leaves at zero."""
+    ``counters(n)`` returns an int32 buffer of >= n zeros that the kernel leaves at zero;
+    ``num_sms`` (the device's multiprocessor count) sizes the automatic split."""
     M, K = x.shape
     N = qdata.shape[0]
     TT = 1 if M <= 8 else 2
@@ -386,7 +383,7 @@ def forward(x, qdata, scale_u8, pts, out, counters, R: int = 1, WARPS: int = 8,
         SM_WARPS = min(SM_WARPS, 16)            # two token tiles need the 128 registers
     tiles, chunks = -(-N // (16 * R)), K // 128
     if split is None:
-        split = auto_split(tiles, WARPS, chunks, x.device)
+        split = auto_split(tiles, WARPS, chunks, num_sms)
     split = max(1, min(split, chunks))
     cps = -(-chunks // split)
     split = -(-chunks // cps)
