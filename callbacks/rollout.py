@@ -24,6 +24,7 @@ from qerl.losses import groups_with_signal, overlong_penalty
 from qerl.rewards import MathAccuracy, RewardFunction, extract_answer
 from qerl.rollout import Rollout, RolloutEngine, SamplingSettings, pad_left, pad_right, stop_token_ids
 from qerl.seeding import resolve_seed
+from qerl.rollout.hf import HFEngine, check_adapter_dtype
 from qerl.rollout.vllm import VLLMSettings  # settings only: vllm itself is imported when the engine starts
 
 
@@ -83,8 +84,7 @@ class RolloutCallback(L.Callback):
         self.engine_name = engine
         self.max_batch_size = max_batch_size
         self.cuda_graphs = cuda_graphs
-        if hf_adapter_dtype not in ("model", "stored"):
-            raise ValueError(f"RolloutCallback: hf_adapter_dtype must be 'model' or 'stored', got {hf_adapter_dtype!r}")
+        check_adapter_dtype(hf_adapter_dtype, "RolloutCallback: hf_adapter_dtype")   # at config time
         self.hf_adapter_dtype = hf_adapter_dtype
         self.dynamic_sampling = dynamic_sampling
         self.max_refill_rounds = max_refill_rounds
@@ -98,16 +98,12 @@ class RolloutCallback(L.Callback):
 
     def make_engine(self, pl_module) -> RolloutEngine:
         tok = pl_module.tokenizer
-        stop = stop_token_ids(tok, pl_module.model)
         if self.engine_name == "hf":
-            from qerl.rollout.hf import HFEngine
-
-            return HFEngine(stop, tok.pad_token_id, self.max_batch_size, cuda_graphs=self.cuda_graphs,
-                            adapter_dtype=self.hf_adapter_dtype)
+            return HFEngine.for_model(pl_module.model, tok, self.max_batch_size, self.cuda_graphs, self.hf_adapter_dtype)
         if self.engine_name == "vllm":
             from qerl.rollout.vllm import VLLMEngine
 
-            return VLLMEngine(stop, self.vllm, tokenizer=tok, seed=self.seed)
+            return VLLMEngine(stop_token_ids(tok, pl_module.model), self.vllm, tokenizer=tok, seed=self.seed)
         raise ValueError(f"unknown rollout engine {self.engine_name!r}; use 'hf' or 'vllm'")
 
     def on_fit_start(self, trainer, pl_module) -> None:

@@ -12,7 +12,7 @@ from __future__ import annotations
 from lightning.pytorch.callbacks import ModelSummary, RichModelSummary
 from lightning.pytorch.utilities.imports import _RICH_AVAILABLE
 
-from qerl.model import base_weight_bytes
+from qerl.model import base_weight_bytes, is_lora_parameter
 
 _Base = RichModelSummary if _RICH_AVAILABLE else ModelSummary
 
@@ -32,7 +32,7 @@ def weight_megabytes(pl_module) -> float:
     stored: NVFP4 packed, NF4 with its absmax state; trainable norms included) plus the LoRA tensors
     it leaves out."""
     model = getattr(pl_module, "model", None) or pl_module
-    lora = sum(p.numel() * p.element_size() for n, p in model.named_parameters() if "lora_" in n)
+    lora = sum(p.numel() * p.element_size() for n, p in model.named_parameters() if is_lora_parameter(n))
     return (base_weight_bytes(model)["total"] + lora) / 1e6
 
 

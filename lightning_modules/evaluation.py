@@ -21,7 +21,7 @@ import torch
 
 from qerl.metrics import PassAtK
 from qerl.rewards import MathAccuracy, extract_answer
-from qerl.rollout import SamplingSettings, stop_token_ids
+from qerl.rollout import SamplingSettings
 
 
 @dataclass
@@ -94,10 +94,10 @@ class EvaluationMixin:
             if getattr(self, "_evaluation_engine", None) is None:
                 from qerl.rollout.hf import HFEngine
 
-                self._evaluation_engine = HFEngine(stop_token_ids(self.tokenizer, self.model),
-                                                  self.tokenizer.pad_token_id, self.eval_settings.max_batch_size,
-                                                  cuda_graphs=getattr(rollout_cb, "cuda_graphs", True),
-                                                  adapter_dtype=getattr(rollout_cb, "hf_adapter_dtype", "model"))
+                self._evaluation_engine = HFEngine.for_model(
+                    self.model, self.tokenizer, self.eval_settings.max_batch_size,
+                    cuda_graphs=getattr(rollout_cb, "cuda_graphs", True),
+                    adapter_dtype=getattr(rollout_cb, "hf_adapter_dtype", "model"))
             engine = self._evaluation_engine
         scales = self.noisy_norms.effective_scales() if self.noisy_norms is not None else None
         engine.sync(self.model, scales, adapter=self.eval_settings.use_adapter)

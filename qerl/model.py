@@ -161,12 +161,17 @@ def quantize_decoder_linears_nf4(model: nn.Module, device: str | torch.device = 
     return count
 
 
+def is_lora_parameter(name: str) -> bool:
+    """Whether a parameter name is a peft LoRA adapter weight (``lora_A`` / ``lora_B`` / ``lora_embedding_*``)."""
+    return "lora_" in name
+
+
 def base_weight_bytes(model: nn.Module) -> dict[str, int]:
     """Bytes held by the frozen base: decoder linears (packed when NVFP4) and everything else."""
     linear, other = 0, 0
     seen = set()
     for name, p in model.named_parameters():
-        if "lora_" in name or id(p) in seen:
+        if is_lora_parameter(name) or id(p) in seen:
             continue
         seen.add(id(p))
         if isinstance(p, NVFP4WeightTensor):

@@ -26,7 +26,10 @@ from typing import Literal
 import torch
 import torch.nn.functional as F
 
-from qerl.rollout.base import Generation, RolloutEngine, SamplingSettings, pad_left
+from qerl.model import is_lora_parameter
+from qerl.rollout.base import Generation, RolloutEngine, SamplingSettings, pad_left, stop_token_ids
+
+ADAPTER_DTYPES = ("model", "stored")
 
 log = logging.getLogger(__name__)
 
@@ -167,6 +170,12 @@ def _abandon_capture(graph: torch.cuda.CUDAGraph, stream: torch.cuda.Stream) -> 
     del reset
 
 
+def check_adapter_dtype(value: str, what: str) -> None:
+    """A clear error for an ``adapter_dtype`` other than ``model`` / ``stored``."""
+    if value not in ADAPTER_DTYPES:
+        raise ValueError(f"{what} must be 'model' or 'stored', got {value!r}")
+
+
 @contextlib.contextmanager
 def adapters_cast_to(model: torch.nn.Module, dtype: torch.dtype):
     """Within the block the LoRA weights (``lora_*`` parameters) hold ``dtype`` copies; on exit the
@@ -174,7 +183,7 @@ def adapters_cast_to(model: torch.nn.Module, dtype: torch.dtype):
     For no-grad use only (generation): nothing may step or backprop through the copies."""
     saved = []
     for name, p in model.named_parameters():
-        if "lora_" in name and p.is_floating_point() and p.dtype != dtype:
+        if is_lora_parameter(name) and p.is_floating_point() and p.dtype != dtype:
             saved.append((p, p.data))
             p.data = p.data.to(dtype)
     try:
@@ -214,8 +223,7 @@ class HFEngine(RolloutEngine):
 
     def __init__(self, stop_token_ids: list[int], pad_token_id: int, max_batch_size: int = 64,
                  cuda_graphs: bool = True, adapter_dtype: Literal["model", "stored"] = "model"):
-        if adapter_dtype not in ("model", "stored"):
-            raise ValueError(f"HFEngine: adapter_dtype must be 'model' or 'stored', got {adapter_dtype!r}")
+        check_adapter_dtype(adapter_dtype, "HFEngine: adapter_dtype")
         self.stop_token_ids = sorted(set(stop_token_ids))
         self.pad_token_id = pad_token_id
         self.max_batch_size = max_batch_size
@@ -223,6 +231,13 @@ class HFEngine(RolloutEngine):
         self.adapter_dtype = adapter_dtype
         self.model: torch.nn.Module | None = None
         self.adapter = True
+
+    @classmethod
+    def for_model(cls, model: torch.nn.Module, tokenizer, max_batch_size: int = 64, cuda_graphs: bool = True,
+                  adapter_dtype: Literal["model", "stored"] = "model") -> "HFEngine":
+        """The engine for a policy and its tokenizer: stops at the model's end-of-turn / EOS tokens."""
+        return cls(stop_token_ids(tokenizer, model), tokenizer.pad_token_id, max_batch_size,
+                   cuda_graphs=cuda_graphs, adapter_dtype=adapter_dtype)
 
     def sync(self, model: torch.nn.Module, norm_scales: dict[str, torch.Tensor] | None = None,
              adapter: bool = True) -> None:
