@@ -11,6 +11,7 @@
 #   bash benchmarks/h200_vllm.sh eval             # benchmarks/eval_base.py: GSM8K pass@1 of the three arms
 #   bash benchmarks/h200_vllm.sh evalvllm         # the same through the vLLM engine (one process per arm)
 #   bash benchmarks/h200_vllm.sh fitval           # a vLLM fit with validation in vLLM (sanity check + after step 4)
+#   bash benchmarks/h200_vllm.sh gspo             # 8 steps of the GSPO testbed recipe, embedded engine (no vLLM)
 # Logs and JSON land in $OUT (the device tool's return folder) or /tmp/out.
 set -u
 OUT=${OUT:-/tmp/out}
@@ -82,6 +83,17 @@ for stage in "$@"; do
     bench)
       timeout 560 python3 benchmarks/rollout_vllm.py --out "$OUT"/rollout_vllm_h200.json > "$OUT"/bench.log 2>&1
       echo "bench exit $?"; grep -v "^INFO\|^DEBUG\|^(EngineCore" "$OUT"/bench.log | tail -30
+      ;;
+    gspo)  # the GSPO testbed recipe with the embedded engine (needs only deps + testbed): 8 steps
+      unpack deps; unpack testbed
+      python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site-cli .whl/cli/*.whl
+      rm -rf logs/gspo
+      timeout ${GSPO_TIMEOUT:-460} python3 train.py fit --config configs/testbed_qwen2.5-coder-0.5b_gspo_nvfp4.yaml \
+        --trainer.max_steps ${GSPO_STEPS:-8} --trainer.limit_val_batches 0 --trainer.logger.init_args.save_dir logs/gspo \
+        > "$OUT"/gspo.log 2>&1
+      echo "gspo exit $?"; grep -v "^INFO\|^DEBUG" "$OUT"/gspo.log | tail -12
+      python3 benchmarks/tb_scalars.py logs/gspo --out "$OUT"/fit_gspo_h200.json --tags \
+        train/reward,train/entropy,train/is_ratio/mean,train/clip_ratio/low,train/clip_ratio/high,train/loss,train/grad_norm,aqn/sigma,train/completion_length/mean,time/generate,time/train | tail -12
       ;;
     *) echo "unknown stage $stage" ;;
   esac
