@@ -1,0 +1,160 @@
+"""Memory and speed of the three arms -- 16-bit LoRA, QLoRA (NF4) and QeRL (NVFP4) -- side by side.
+
+    python benchmarks/train_step.py [--shape 7b|tiny] [--arms bf16,nf4,nvfp4] [--batch 8] [--seq 512]
+        [--gen-batch 8] [--gen-prompt 128] [--gen-new 128] [--out PATH]
+
+A Qwen2.5-7B-shaped model with random weights (std 0.02, as ``benchmarks/rollout_hf.py``), LoRA r32
+on every decoder linear (non-zero B), gradient checkpointing as in the 7B recipes. Per arm, in one
+process, one after another:
+
+* ``weights_gb`` / ``decoder_linears_gb``: the frozen base's bytes and those of its decoder linears
+  (``qerl.model.base_weight_bytes``: packed for nf4 / nvfp4; embeddings, lm_head and norms in bf16);
+* ``train_step_s`` / ``train_peak_gb``: one LoRA update on ``batch x seq`` tokens -- forward, the
+  selected-token log-probs through ``qerl.losses.selective_log_softmax`` (as the policy loss), backward,
+  AdamW step -- median of 3 after a warm-up, and the peak allocated memory of those steps;
+* ``gen_tok_s``: the embedded engine (``HFEngine``, CUDA-graph decode where the arm's kernels allow it)
+  sampling ``gen-new`` tokens for ``gen-batch`` prompts of ``gen-prompt`` tokens (timed after a warm-up).
+
+``nf4`` needs bitsandbytes (skipped with a note when it does not import). Prints a table; writes
+benchmarks/results/train_step_h200.json (or --out).
+"""
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from qerl.losses import selective_log_softmax  # noqa: E402
+from qerl.model import (LoraSettings, add_lora, base_weight_bytes, quantize_decoder_linears,  # noqa: E402
+                        quantize_decoder_linears_nf4)
+from qerl.rollout import SamplingSettings  # noqa: E402
+from qerl.rollout.hf import HFEngine  # noqa: E402
+from rollout_hf import SHAPES  # noqa: E402
+
+GB = 1024 ** 3
+
+
+def build(shape: str, arm: str, device: str):
+    from transformers import AutoModelForCausalLM, Qwen2Config
+
+    config = Qwen2Config(**SHAPES[shape], max_position_embeddings=4096, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(std=0.02) if p.dim() == 2 else None
+    if arm == "nvfp4":
+        quantize_decoder_linears(model, device)
+    elif arm == "nf4":
+        quantize_decoder_linears_nf4(model, device)
+    model = add_lora(model, LoraSettings(rank=32, alpha=32))
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})   # as QeRLModule
+    model.enable_input_require_grads()
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if "lora_B" in n:
+                p.normal_(std=1e-3)
+    return model, config.vocab_size
+
+
+def sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def train_steps(model, vocab: int, batch: int, seq: int, device: str, steps: int = 3) -> tuple[float, float]:
+    """(median seconds per update, peak GB allocated during the updates)."""
+    model.train()
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-5)
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(1, vocab, (batch, seq), generator=g).to(device)              # (B, T)
+
+    def step():
+        logits = model(input_ids=ids[:, :-1]).logits                                   # (B, T-1, V)
+        logp = selective_log_softmax(logits, ids[:, 1:])                               # (B, T-1)
+        (-logp.mean()).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    step()                                                                              # warm-up (tuning, compile)
+    sync(device)
+    if device == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    times = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        step()
+        sync(device)
+        times.append(time.perf_counter() - t0)
+    peak = torch.cuda.max_memory_allocated() / GB if device == "cuda" else float("nan")
+    del opt
+    return statistics.median(times), peak
+
+
+def gen_tok_s(model, vocab: int, batch: int, prompt: int, new: int, device: str) -> float:
+    model.eval()
+    engine = HFEngine(stop_token_ids=[-1], pad_token_id=0, max_batch_size=batch)
+    engine.sync(model)
+    g = torch.Generator().manual_seed(1)
+    prompts = torch.randint(1, vocab, (batch, prompt), generator=g).tolist()
+    sampling = SamplingSettings(temperature=1.0, top_p=1.0, top_k=0, max_new_tokens=new)
+    engine.generate(prompts, 1, sampling, seed=0)                                      # warm-up / capture
+    sync(device)
+    t0 = time.perf_counter()
+    engine.generate(prompts, 1, sampling, seed=1)
+    sync(device)
+    return batch * new / (time.perf_counter() - t0)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--shape", default="7b", choices=sorted(SHAPES))
+    ap.add_argument("--arms", default="bf16,nf4,nvfp4")
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--seq", type=int, default=512)
+    ap.add_argument("--gen-batch", type=int, default=8)
+    ap.add_argument("--gen-prompt", type=int, default=128)
+    ap.add_argument("--gen-new", type=int, default=128)
+    ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)),
+                                                  "results", "train_step_h200.json"))
+    args = ap.parse_args()
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    rows = []
+    for arm in args.arms.split(","):
+        try:
+            model, vocab = build(args.shape, arm, device)
+        except ImportError as e:                       # nf4 without bitsandbytes
+            print(f"[train_step] skip {arm}: {e}")
+            continue
+        nbytes = base_weight_bytes(model)
+        weights, linears = nbytes["total"] / GB, nbytes["decoder_linears"] / GB
+        step_s, peak = train_steps(model, vocab, args.batch, args.seq, device)
+        tok_s = gen_tok_s(model, vocab, args.gen_batch, args.gen_prompt, args.gen_new, device)
+        rows.append(dict(arm=arm, weights_gb=weights, decoder_linears_gb=linears, train_step_s=step_s, train_peak_gb=peak, gen_tok_s=tok_s))
+        print(f"{arm:6s} weights {weights:6.2f} GB  update {step_s:7.3f} s  peak {peak:6.2f} GB  "
+              f"generate {tok_s:8.1f} tok/s", flush=True)
+        del model
+        if device == "cuda":
+            torch.cuda.empty_cache()
+    base = next((r for r in rows if r["arm"] == "bf16"), None)
+    if base:
+        for r in rows:
+            r["vs_bf16"] = {k: r[k] / base[k] for k in ("weights_gb", "train_step_s", "train_peak_gb", "gen_tok_s")}
+        print("ratios vs bf16: " + "; ".join(f"{r['arm']}: " + ", ".join(f"{k} {v:.2f}" for k, v in r["vs_bf16"].items())
+                                             for r in rows))
+    meta = {"device": torch.cuda.get_device_name() if device == "cuda" else "cpu", "torch": torch.__version__,
+            "shape": args.shape, "lora_rank": 32, "batch": args.batch, "seq": args.seq, "gradient_checkpointing": True,
+            "gen": {"batch": args.gen_batch, "prompt": args.gen_prompt, "new": args.gen_new}}
+    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump({"meta": meta, "rows": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,39 @@
+"""The benchmark scripts users run on the GPU also run end to end on CPU (tiny shape): their JSON
+has the documented rows, so a broken script is caught here rather than on the lent GPU."""
+
+import importlib.util
+import json
+import math
+import os
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def test_train_step_benchmark_tiny(tmp_path):
+    arms = ["bf16", "nvfp4"] + (["nf4"] if importlib.util.find_spec("bitsandbytes") else [])
+    out = tmp_path / "ts.json"
+    r = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "train_step.py"), "--shape", "tiny",
+                        "--arms", ",".join(arms), "--batch", "2", "--seq", "33", "--gen-batch", "2",
+                        "--gen-prompt", "8", "--gen-new", "8", "--out", str(out)],
+                       capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert r.returncode == 0, r.stderr[-3000:]
+    res = json.loads(out.read_text())
+    rows = {row["arm"]: row for row in res["rows"]}
+    assert sorted(rows) == sorted(arms)
+    for row in rows.values():
+        for k in ("weights_gb", "train_step_s", "gen_tok_s"):
+            assert math.isfinite(row[k]) and row[k] > 0, (row["arm"], k, row[k])
+        assert row["decoder_linears_gb"] < row["weights_gb"]
+        assert set(row["vs_bf16"]) == {"weights_gb", "train_step_s", "train_peak_gb", "gen_tok_s"}
+    # the packed base is smaller even on the tiny model, whose embeddings dominate
+    assert rows["nvfp4"]["weights_gb"] < rows["bf16"]["weights_gb"]
+    assert res["meta"]["shape"] == "tiny" and res["meta"]["gradient_checkpointing"] is True
+    # bf16: every base parameter once, 2 bytes each (no double counting of the LoRA-wrapped linears)
+    from transformers import AutoModelForCausalLM, Qwen2Config
+    spec = importlib.util.spec_from_file_location("rollout_hf_bench", os.path.join(ROOT, "benchmarks", "rollout_hf.py"))
+    rollout_hf = importlib.util.module_from_spec(spec)      # (not via sys.path: benchmarks/kernels.py would
+    spec.loader.exec_module(rollout_hf)                      # shadow the kernels package for later tests)
+    ref = AutoModelForCausalLM.from_config(Qwen2Config(**rollout_hf.SHAPES["tiny"], tie_word_embeddings=False))
+    assert abs(rows["bf16"]["weights_gb"] * 1024 ** 3 - 2 * sum(p.numel() for p in ref.parameters())) < 1
