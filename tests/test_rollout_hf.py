@@ -9,7 +9,7 @@ import torch
 from qerl.aqn import attach_noisy_norms
 from qerl.model import LoraSettings, load_policy
 from qerl.rollout import SamplingSettings
-from qerl.rollout.hf import HFEngine, decode_mode
+from qerl.rollout.hf import HFEngine, decode_mode, lean_lora_forward
 
 PROMPTS = [[5, 6, 7, 8, 9], [11, 12], [13, 14, 15], [20]]  # different lengths: left padding matters
 
@@ -84,9 +84,11 @@ def test_adapters_run_in_the_model_dtype_while_generating():
     lora = {n: p for n, p in model.named_parameters() if "lora_" in n}
     assert lora and {p.dtype for p in lora.values()} == {torch.float32}
     before = {n: (p, p.detach().clone()) for n, p in lora.items()}
-    seen = []
-    a_layer = next(m for n, m in model.named_modules() if n.endswith("q_proj.lora_A.default"))
-    hook = a_layer.register_forward_pre_hook(lambda mod, args: seen.append(mod.weight.dtype))
+    seen = []   # the dtype of the A matrix q_proj's adapter runs with (peft's module or the lean copy)
+    q_proj = next(m for n, m in model.named_modules() if n.endswith("q_proj") and hasattr(m, "lora_A"))
+    hook = q_proj.register_forward_pre_hook(lambda mod, args: seen.append(
+        mod._qerl_lean[0].dtype if hasattr(mod, "_qerl_lean") else mod.lora_A["default"].weight.dtype)
+        if not mod.disable_adapters else None)
     outs = {}
     try:
         for adapter_dtype, want in (("model", torch.bfloat16), ("stored", torch.float32)):
@@ -109,6 +111,31 @@ def test_adapters_run_in_the_model_dtype_while_generating():
     assert all(abs(a - b) < 0.05 for a, b in first), first
     with pytest.raises(ValueError, match="adapter_dtype"):
         HFEngine([0], 0, adapter_dtype="fp16")
+
+
+@pytest.mark.parametrize("quantization", ["nvfp4", "bf16"])
+def test_lean_lora_forward_matches_peft(quantization):
+    """While generating, every adapted linear runs as two GEMMs with the scaling folded into B: the
+    logits equal peft's (fp32, tolerance for the reassociated sum); modules are restored afterwards;
+    a model in training mode or with the adapter disabled is left alone."""
+    model, tok = _policy(quantization=quantization)
+    lora_linears = [m for m in model.modules() if hasattr(m, "lora_A") and hasattr(m, "base_layer")]
+    ids = torch.tensor([tok.encode("What is 3 + 4? Think step by step.")])
+    with torch.no_grad():
+        ref = model(input_ids=ids).logits
+        with lean_lora_forward(model, torch.float32) as n:
+            assert n == len(lora_linears) > 0 and all("forward" in vars(m) for m in lora_linears)
+            got = model(input_ids=ids).logits
+        assert not any("forward" in vars(m) or hasattr(m, "_qerl_lean") for m in lora_linears)
+        assert torch.allclose(got, ref, atol=1e-5, rtol=1e-5), (got - ref).abs().max()
+        assert torch.equal(model(input_ids=ids).logits, ref)                    # peft's forward again
+        with lean_lora_forward(model, torch.bfloat16) as n:                     # adapters not in that dtype
+            assert n == 0
+        with model.disable_adapter(), lean_lora_forward(model, torch.float32) as n:
+            assert n == 0
+        model.train()
+        with lean_lora_forward(model, torch.float32) as n:
+            assert n == 0
 
 
 def test_decode_mode():
