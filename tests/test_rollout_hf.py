@@ -113,11 +113,13 @@ def test_adapters_run_in_the_model_dtype_while_generating():
         HFEngine([0], 0, adapter_dtype="fp16")
 
 
-@pytest.mark.parametrize("quantization", ["nvfp4", "bf16"])
+@pytest.mark.parametrize("quantization", ["nvfp4", "bf16", "nf4"])
 def test_lean_lora_forward_matches_peft(quantization):
     """While generating, every adapted linear runs as two GEMMs with the scaling folded into B: the
     logits equal peft's (fp32, tolerance for the reassociated sum); modules are restored afterwards;
     a model in training mode or with the adapter disabled is left alone."""
+    if quantization == "nf4":
+        pytest.importorskip("bitsandbytes")       # peft's bnb LoRA class: same lean path
     model, tok = _policy(quantization=quantization)
     lora_linears = [m for m in model.modules() if hasattr(m, "lora_A") and hasattr(m, "base_layer")]
     ids = torch.tensor([tok.encode("What is 3 + 4? Think step by step.")])
