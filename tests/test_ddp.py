@@ -1,4 +1,5 @@
-"""Data-parallel training (Lightning DDP, 2 CPU processes over gloo) through the real CLI.
+"""Data-parallel training (Lightning DDP: 2 CPU processes over gloo; on a 2-GPU machine also 2 GPUs
+over NCCL, bf16, through the NVFP4 kernels) through the real CLI.
 
 The frozen NVFP4 base is not broadcast (each rank builds it from ``model``; NVFP4 tensors cannot
 go into DDP's flat buckets): only LoRA is synced. After training, both ranks must hold the same
@@ -11,6 +12,7 @@ import sys
 import textwrap
 from pathlib import Path
 
+import pytest
 import torch
 import yaml
 
@@ -18,6 +20,16 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def test_ddp_two_cpu_ranks_train_the_same_lora(tmp_path):
+    _ddp_two_ranks(tmp_path, "cpu")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_ddp_two_gpus_train_the_same_lora(tmp_path):
+    _ddp_two_ranks(tmp_path, "gpu")
+
+
+def _ddp_two_ranks(tmp_path, accelerator: str):
     (tmp_path / "dump_lora.py").write_text(textwrap.dedent(f"""
         import torch, lightning as L
 
@@ -27,7 +39,10 @@ def test_ddp_two_cpu_ranks_train_the_same_lora(tmp_path):
                 torch.save(lora, f"{tmp_path}/rank{{trainer.global_rank}}.pt")
     """))
     cfg = yaml.safe_load((ROOT / "configs" / "quickstart.yaml").read_text())
-    cfg["trainer"].update(max_steps=2, strategy="ddp", devices=2, enable_progress_bar=False, val_check_interval=2)
+    cfg["trainer"].update(max_steps=2, strategy="ddp", devices=2, enable_progress_bar=False, val_check_interval=2,
+                          accelerator=accelerator)
+    if accelerator == "gpu":
+        cfg["model"]["dtype"] = "bf16"          # the NVFP4 kernels' dtype
     cfg["trainer"]["logger"]["init_args"]["save_dir"] = str(tmp_path / "logs")
     cfg["trainer"]["callbacks"] = [cb for cb in cfg["trainer"]["callbacks"] if "ModelCheckpoint" not in cb["class_path"]]
     cfg["trainer"]["callbacks"].append({"class_path": "dump_lora.DumpLoRA"})
@@ -37,7 +52,8 @@ def test_ddp_two_cpu_ranks_train_the_same_lora(tmp_path):
             cb["init_args"]["overlong_buffer"] = 12
     cfg["data"]["prompts_per_step"] = 2
     (tmp_path / "ddp.yaml").write_text(yaml.safe_dump(cfg))
-    env = {**os.environ, "PYTHONPATH": f"{tmp_path}{os.pathsep}{ROOT}", "OMP_NUM_THREADS": "1"}
+    path = os.pathsep.join(p for p in (str(tmp_path), str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
+    env = {**os.environ, "PYTHONPATH": path, "OMP_NUM_THREADS": "1"}
     run = subprocess.run([sys.executable, str(ROOT / "train.py"), "fit", "--config", str(tmp_path / "ddp.yaml")],
                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
