@@ -131,13 +131,36 @@ def test_lean_lora_forward_matches_peft(quantization):
         assert not any("forward" in vars(m) or hasattr(m, "_qerl_lean") for m in lora_linears)
         assert torch.allclose(got, ref, atol=1e-5, rtol=1e-5), (got - ref).abs().max()
         assert torch.equal(model(input_ids=ids).logits, ref)                    # peft's forward again
-        with lean_lora_forward(model, torch.bfloat16) as n:                     # adapters not in that dtype
-            assert n == 0
+        with model.disable_adapter():
+            base = model(input_ids=ids).logits
+        with lean_lora_forward(model, torch.bfloat16) as n:                     # bf16 copies of the adapters
+            assert n == len(lora_linears)
+            delta = model(input_ids=ids).logits - base                          # the adapters' contribution
+        assert ((delta - (ref - base)).norm() / (ref - base).norm()) < 0.05     # = peft's, to bf16 rounding
         with model.disable_adapter(), lean_lora_forward(model, torch.float32) as n:
             assert n == 0
         model.train()
         with lean_lora_forward(model, torch.float32) as n:
             assert n == 0
+
+
+def test_generation_keeps_the_adapters_gradient_accumulators():
+    """DDP all-reduces a gradient from a hook on the parameter's AccumulateGrad node; generating
+    (adapters in the model's dtype) must leave those nodes, and the Parameters, as they were."""
+    model, tok = _policy(dtype="bf16")
+    lora = [p for n, p in model.named_parameters() if "lora_" in n]
+    acc = [p.view_as(p).grad_fn.next_functions[0][0] for p in lora]
+    fired = []
+    for node in acc:
+        node.register_hook(lambda grad_inputs, grad_outputs: fired.append(1))
+    engine = HFEngine([tok.eos_token_id], tok.pad_token_id, max_batch_size=8, adapter_dtype="model")
+    engine.sync(model)
+    engine.generate(PROMPTS, 1, SamplingSettings(temperature=1.0, max_new_tokens=4), seed=0)
+    assert all(p.view_as(p).grad_fn.next_functions[0][0] is node for p, node in zip(lora, acc))
+    model.train()
+    ids = torch.tensor([tok.encode("1 + 1 = 2")])
+    model(input_ids=ids).logits.float().sum().backward()
+    assert len(fired) == len(lora)
 
 
 def test_decode_mode():

@@ -26,7 +26,6 @@ from typing import Literal
 import torch
 import torch.nn.functional as F
 
-from qerl.model import is_lora_parameter
 from qerl.rollout.base import Generation, RolloutEngine, SamplingSettings, pad_left, stop_token_ids
 
 ADAPTER_DTYPES = ("model", "stored")
@@ -176,40 +175,26 @@ def check_adapter_dtype(value: str, what: str) -> None:
         raise ValueError(f"{what} must be 'model' or 'stored', got {value!r}")
 
 
-@contextlib.contextmanager
-def adapters_cast_to(model: torch.nn.Module, dtype: torch.dtype):
-    """Within the block the LoRA weights (``lora_*`` parameters) hold ``dtype`` copies; on exit the
-    same Parameter objects get their original tensors back (bitwise; optimizer state untouched).
-    For no-grad use only (generation): nothing may step or backprop through the copies."""
-    saved = []
-    for name, p in model.named_parameters():
-        if is_lora_parameter(name) and p.is_floating_point() and p.dtype != dtype:
-            saved.append((p, p.data))
-            p.data = p.data.to(dtype)
-    try:
-        yield
-    finally:
-        for p, original in saved:
-            p.data = original
-
-
 def _lean_lora_forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
     """peft's LoRA ``Linear.forward`` in two GEMMs for generation: ``base(x) + (x A^T) (s B)^T``, the
     add fused into cuBLAS' epilogue (``addmm``) and the scaling folded into a copy of B."""
     result = self.base_layer(x, *args, **kwargs)
     A, sB = self._qerl_lean                                       # (r, K), (N, r)
     h = F.linear(x if x.dtype == A.dtype else x.to(A.dtype), A)  # (..., r)
-    flat = torch.addmm(result.reshape(-1, result.shape[-1]), h.reshape(-1, h.shape[-1]), sB.t())
+    flat = torch.addmm(result.reshape(-1, result.shape[-1]), h.reshape(-1, h.shape[-1]).to(result.dtype),
+                       sB.t().to(result.dtype))                  # (.to: no-ops when the dtypes agree)
     return flat.view(result.shape)
 
 
 @contextlib.contextmanager
 def lean_lora_forward(model: torch.nn.Module, dtype: torch.dtype):
-    """Within the block, every plain peft LoRA linear whose one active adapter holds ``dtype`` weights
-    runs ``_lean_lora_forward``: 2 kernels besides the base instead of peft's 4 (A, B, ``* scaling``,
+    """Within the block, every plain peft LoRA linear with one active adapter runs
+    ``_lean_lora_forward`` on ``dtype`` copies of its A and (scaled) B: the adapter in the model's
+    dtype, as vLLM runs it, and 2 kernels besides the base instead of peft's 4 (A, B, ``* scaling``,
     ``+``), ~400 fewer per decode step of a 28-layer model, which at batch 1 is launch-bound. Others
     (merged, disabled, DoRA and other variants, a bias on B, several adapters, training mode) keep
-    peft's forward. Generation only: the copy of B is not a parameter."""
+    peft's forward. The Parameters are never touched: swapping their ``.data`` for another dtype
+    would reset their gradient accumulators and with them DDP's all-reduce hooks."""
     patched = []
     for module in model.modules():
         adapters = getattr(module, "active_adapters", None)
@@ -221,10 +206,8 @@ def lean_lora_forward(model: torch.nn.Module, dtype: torch.dtype):
         if (name not in module.lora_A or name in getattr(module, "lora_variant", {})
                 or not isinstance(module.lora_A[name], torch.nn.Linear) or module.lora_B[name].bias is not None):
             continue
-        A, B = module.lora_A[name].weight, module.lora_B[name].weight
-        if A.dtype != dtype or B.dtype != dtype:
-            continue
-        module._qerl_lean = (A, (B * module.scaling[name]).to(dtype))
+        A, B = module.lora_A[name].weight.detach(), module.lora_B[name].weight.detach()
+        module._qerl_lean = (A.to(dtype), (B * module.scaling[name]).to(dtype))
         module.forward = _lean_lora_forward.__get__(module)
         patched.append(module)
     try:
@@ -253,8 +236,8 @@ class HFEngine(RolloutEngine):
         max_batch_size: sequences decoded together; larger prompt sets are done in chunks.
         cuda_graphs: on CUDA, decode with a static KV cache replayed as a CUDA graph (sdpa or eager
             attention); otherwise, and on CPU, one eager forward per token with HF's dynamic cache.
-        adapter_dtype: ``model``: while generating, the LoRA weights are cast to the model's
-            activation dtype (bf16), as vLLM runs them, and each adapted linear runs as two GEMMs
+        adapter_dtype: ``model``: while generating, each adapted linear runs on copies of its LoRA
+            weights in the model's activation dtype (bf16), as vLLM runs them, as two GEMMs
             (``lean_lora_forward``: scaling folded into B, the add fused); ``stored``: as trained (peft keeps trainable
             adapters in fp32 and then casts every activation to fp32 and back around two fp32 GEMVs
             per adapted linear: 60% of a 7B bf16 decode step's kernel time at batch 1,
@@ -300,11 +283,8 @@ class HFEngine(RolloutEngine):
         was_training = self.model.training
         self.model.eval()
         adapter_off = self.model.disable_adapter() if not self.adapter else contextlib.nullcontext()
-        cast = contextlib.ExitStack()
-        if self.adapter and self.adapter_dtype == "model":
-            dtype = self.model.get_input_embeddings().weight.dtype
-            cast.enter_context(adapters_cast_to(self.model, dtype))
-            cast.enter_context(lean_lora_forward(self.model, dtype))
+        cast = (lean_lora_forward(self.model, self.model.get_input_embeddings().weight.dtype)
+                if self.adapter and self.adapter_dtype == "model" else contextlib.nullcontext())
         try:
             with adapter_off, cast:
                 for lo in range(0, len(repeated), self.max_batch_size):
