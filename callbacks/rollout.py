@@ -23,9 +23,9 @@ from lightning.pytorch.loggers import TensorBoardLogger
 from qerl.losses import groups_with_signal, overlong_penalty
 from qerl.rewards import MathAccuracy, RewardFunction, extract_answer
 from qerl.rollout import Rollout, RolloutEngine, SamplingSettings, pad_left, pad_right, stop_token_ids
-from qerl.seeding import resolve_seed
 from qerl.rollout.hf import HFEngine, check_adapter_dtype
 from qerl.rollout.vllm import VLLMSettings  # settings only: vllm itself is imported when the engine starts
+from qerl.seeding import resolve_seed
 
 
 class RolloutCallback(L.Callback):
