@@ -19,17 +19,18 @@ import yaml
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def test_ddp_two_cpu_ranks_train_the_same_lora(tmp_path):
-    _ddp_two_ranks(tmp_path, "cpu")
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])  # bf16: fp32 adapters on a bf16 model, as on GPUs
+def test_ddp_two_cpu_ranks_train_the_same_lora(tmp_path, dtype):
+    _ddp_two_ranks(tmp_path, "cpu", dtype)
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
 def test_ddp_two_gpus_train_the_same_lora(tmp_path):
-    _ddp_two_ranks(tmp_path, "gpu")
+    _ddp_two_ranks(tmp_path, "gpu", "bf16")      # the NVFP4 kernels' dtype
 
 
-def _ddp_two_ranks(tmp_path, accelerator: str):
+def _ddp_two_ranks(tmp_path, accelerator: str, dtype: str):
     (tmp_path / "dump_lora.py").write_text(textwrap.dedent(f"""
         import torch, lightning as L
 
@@ -41,8 +42,7 @@ def _ddp_two_ranks(tmp_path, accelerator: str):
     cfg = yaml.safe_load((ROOT / "configs" / "quickstart.yaml").read_text())
     cfg["trainer"].update(max_steps=2, strategy="ddp", devices=2, enable_progress_bar=False, val_check_interval=2,
                           accelerator=accelerator)
-    if accelerator == "gpu":
-        cfg["model"]["dtype"] = "bf16"          # the NVFP4 kernels' dtype
+    cfg["model"]["dtype"] = dtype
     cfg["trainer"]["logger"]["init_args"]["save_dir"] = str(tmp_path / "logs")
     cfg["trainer"]["callbacks"] = [cb for cb in cfg["trainer"]["callbacks"] if "ModelCheckpoint" not in cb["class_path"]]
     cfg["trainer"]["callbacks"].append({"class_path": "dump_lora.DumpLoRA"})
