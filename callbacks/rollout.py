@@ -28,6 +28,14 @@ from qerl.rollout.vllm import VLLMSettings  # settings only: vllm itself is impo
 from qerl.seeding import resolve_seed
 
 
+def min_over_ranks(trainer, value: int, device) -> int:
+    """The smallest ``value`` over the data-parallel ranks (``value`` itself in one process)."""
+    if getattr(trainer, "world_size", 1) <= 1:
+        return value
+    reduced = trainer.strategy.reduce(torch.tensor([value], device=device), reduce_op=torch.distributed.ReduceOp.MIN)
+    return int(reduced.item())
+
+
 class RolloutCallback(L.Callback):
     """Generates and scores the rollout of every training step.
 
@@ -163,6 +171,10 @@ class RolloutCallback(L.Callback):
             if not kept:  # nothing has signal: train on the original batch (its advantages are 0)
                 kept, dropped = dropped[:target_groups], []
             kept = kept[:target_groups]
+            # DDP: every rank must train on as many groups (the same number of micro-batches, i.e.
+            # of gradient all-reduces, else the ranks hang); a rank that kept more drops its surplus.
+            n = min_over_ranks(trainer, len(kept), pl_module.device)
+            kept, dropped = kept[:n], dropped + kept[n:]
         batch["rollout"] = self._to_rollout(kept, len(dropped) if self.dynamic_sampling else 0, pl_module, timings)
         self._maybe_log_table(trainer, batch["rollout"], step)
 

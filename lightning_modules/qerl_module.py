@@ -313,7 +313,7 @@ class QeRLModule(EvaluationMixin, L.LightningModule):
                 )
                 if s.aggregation == "bnpo":  # a local token mean: average over micro-batches
                     loss = loss / len(micro_batches)
-                if not torch.isfinite(loss):
+                if not self._on_all_ranks(bool(torch.isfinite(loss))):  # DDP: all ranks skip together
                     finite = False
                     break
                 self.manual_backward(loss)
@@ -387,6 +387,13 @@ class QeRLModule(EvaluationMixin, L.LightningModule):
         if self._streaks["truncated"] == n:
             rank_zero_warn(f">= 90% of completions hit max_new_tokens for {n} steps: raise max_new_tokens "
                            "or check the stop tokens")
+
+    def _on_all_ranks(self, flag: bool) -> bool:
+        """``flag`` and-ed over the data-parallel ranks: a decision that changes the number of
+        backward passes (each one a gradient all-reduce under DDP) must be taken by every rank."""
+        if self.trainer.world_size <= 1:
+            return flag
+        return self.trainer.strategy.reduce_boolean_decision(flag, all=True)
 
     # ---------------------------------------------------------------- checkpoints
     def on_save_checkpoint(self, checkpoint: dict) -> None:

@@ -7,6 +7,7 @@ LoRA weights, and those must have moved."""
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import textwrap
@@ -30,7 +31,58 @@ def test_ddp_two_gpus_train_the_same_lora(tmp_path):
     _ddp_two_ranks(tmp_path, "gpu", "bf16")      # the NVFP4 kernels' dtype
 
 
-def _ddp_two_ranks(tmp_path, accelerator: str, dtype: str):
+def test_ddp_dynamic_sampling_ranks_keep_different_group_counts(tmp_path):
+    """DAPO's dynamic sampling under DDP: a reward that gives rank 0 signal in both groups and rank 1
+    in one makes the ranks keep 2 and 1 groups; with one group per micro-batch that would be 2 vs 1
+    backward passes (gradient all-reduces) and a hang. The ranks must agree on the group count."""
+    (tmp_path / "skewed.py").write_text(textwrap.dedent("""
+        import torch.distributed as dist
+        from qerl.rewards import RewardFunction
+
+        class RankSkewedReward(RewardFunction):
+            name = "skewed"
+
+            def compute(self, completions, answers):
+                rank = dist.get_rank() if dist.is_initialized() else 0
+                if rank == 0:
+                    return [float(i % 2) for i in range(len(completions))]    # every group has signal
+                return [float(i == 0) for i in range(len(completions))]        # only the first group
+    """))
+
+    def dynamic(cfg):
+        for cb in cfg["trainer"]["callbacks"]:
+            if cb["class_path"].endswith("RolloutCallback"):
+                cb["init_args"].update(dynamic_sampling=True, max_refill_rounds=0,
+                                       reward={"class_path": "skewed.RankSkewedReward"})
+                cfg["model"]["loss"]["micro_batch_size"] = cb["init_args"]["group_size"]
+    _ddp_two_ranks(tmp_path, "cpu", "fp32", edit=dynamic, timeout=300)
+
+
+def test_ddp_a_non_finite_loss_on_one_rank_skips_the_update_on_all(tmp_path):
+    """A NaN reward on rank 1 only (first step) makes its loss NaN: both ranks must skip that update
+    together (else rank 0 waits in a gradient all-reduce that rank 1 never joins) and stay equal."""
+    (tmp_path / "nanreward.py").write_text(textwrap.dedent("""
+        import torch.distributed as dist
+        from qerl.rewards import RewardFunction
+
+        class NaNOnRank1First(RewardFunction):
+            name = "nan_once"
+            calls = 0
+
+            def compute(self, completions, answers):
+                NaNOnRank1First.calls += 1
+                bad = dist.is_initialized() and dist.get_rank() == 1 and NaNOnRank1First.calls == 1
+                return [float("nan") if bad else float(i % 2) for i in range(len(completions))]
+    """))
+
+    def nan_reward(cfg):
+        for cb in cfg["trainer"]["callbacks"]:
+            if cb["class_path"].endswith("RolloutCallback"):
+                cb["init_args"]["reward"] = {"class_path": "nanreward.NaNOnRank1First"}
+    _ddp_two_ranks(tmp_path, "cpu", "fp32", edit=nan_reward, timeout=300)
+
+
+def _ddp_two_ranks(tmp_path, accelerator: str, dtype: str, edit=None, timeout: int = 600):
     (tmp_path / "dump_lora.py").write_text(textwrap.dedent(f"""
         import torch, lightning as L
 
@@ -51,12 +103,21 @@ def _ddp_two_ranks(tmp_path, accelerator: str, dtype: str):
             cb["init_args"]["sampling"]["max_new_tokens"] = 12
             cb["init_args"]["overlong_buffer"] = 12
     cfg["data"]["prompts_per_step"] = 2
+    if edit is not None:
+        edit(cfg)
     (tmp_path / "ddp.yaml").write_text(yaml.safe_dump(cfg))
     path = os.pathsep.join(p for p in (str(tmp_path), str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
     env = {**os.environ, "PYTHONPATH": path, "OMP_NUM_THREADS": "1"}
-    run = subprocess.run([sys.executable, str(ROOT / "train.py"), "fit", "--config", str(tmp_path / "ddp.yaml")],
-                         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
-    assert run.returncode == 0, run.stderr[-3000:]
+    proc = subprocess.Popen([sys.executable, str(ROOT / "train.py"), "fit", "--config", str(tmp_path / "ddp.yaml")],
+                            cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)         # its own process group: the ranks die together
+    try:
+        _, stderr = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
+        pytest.fail(f"the DDP run did not finish in {timeout} s (ranks out of step in a collective?)")
+    assert proc.returncode == 0, stderr[-3000:]
     rank0, rank1 = (torch.load(tmp_path / f"rank{r}.pt", map_location="cpu") for r in (0, 1))
     assert rank0.keys() == rank1.keys() and all("lora_" in n for n in rank0)
     for name in rank0:
@@ -64,6 +125,6 @@ def _ddp_two_ranks(tmp_path, accelerator: str, dtype: str):
     assert any(rank0[n].abs().max() > 0 for n in rank0 if "lora_B" in n)  # B starts at 0: it trained
     assert list((tmp_path / "logs").glob("*/version_0/adapter/adapter_config.json"))  # rank 0 wrote it
     # each rank validated half of the 8 problems; the report lists all of them, once, in order
-    report = json.loads(next((tmp_path / "logs").glob("*/version_0/eval/val_step2.json")).read_text())
+    report = json.loads(next((tmp_path / "logs").glob("*/version_0/eval/val_step*.json")).read_text())
     indices = [row["index"] for row in report["completions"]["arithmetic"]]
     assert indices == list(range(8)) and report["metrics"]["arithmetic"]["problems"] == 8
