@@ -372,8 +372,13 @@ class QeRLModule(EvaluationMixin, L.LightningModule):
             metrics[f"train/rewards/{name}"] = values.float().mean()
         for name, seconds in rollout.timings.items():
             metrics[f"time/{name}"] = seconds
-        metrics = {k: torch.as_tensor(v, dtype=torch.float32) for k, v in metrics.items()}
-        self.log_dict(metrics, on_step=True, on_epoch=False, batch_size=rewards.numel())
+        metrics = {k: torch.as_tensor(v, dtype=torch.float32, device=self.device) for k, v in metrics.items()}
+        # DDP: the curves describe every rank's rollouts (means over ranks, the maximum length's max);
+        # the keys are the same on every rank, so the reductions pair up. No-ops in one process.
+        longest = {"train/completion_length/max": metrics.pop("train/completion_length/max")}
+        self.log_dict(metrics, on_step=True, on_epoch=False, batch_size=rewards.numel(), sync_dist=True)
+        self.log_dict(longest, on_step=True, on_epoch=False, batch_size=rewards.numel(), sync_dist=True,
+                      reduce_fx="max")
         self._warn_on_silent_failures(float(metrics["train/frac_reward_zero_std"]), float(metrics["train/clipped_ratio"]))
 
     def _warn_on_silent_failures(self, frac_zero_std: float, clipped: float) -> None:

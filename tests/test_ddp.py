@@ -52,10 +52,16 @@ def test_ddp_dynamic_sampling_ranks_keep_different_group_counts(tmp_path):
     def dynamic(cfg):
         for cb in cfg["trainer"]["callbacks"]:
             if cb["class_path"].endswith("RolloutCallback"):
-                cb["init_args"].update(dynamic_sampling=True, max_refill_rounds=0,
+                cb["init_args"].update(dynamic_sampling=True, max_refill_rounds=0, overlong_buffer=0,
                                        reward={"class_path": "skewed.RankSkewedReward"})
                 cfg["model"]["loss"]["micro_batch_size"] = cb["init_args"]["group_size"]
     _ddp_two_ranks(tmp_path, "cpu", "fp32", edit=dynamic, timeout=300)
+    # each rank trained on one group: rank 0's rewards (0, 1, 0, 1), rank 1's (1, 0, 0, 0); the curves
+    # show both ranks (sync_dist): mean reward 0.375 on every rank, not 0.5 / 0.25
+    for r in (0, 1):
+        logged = torch.load(tmp_path / f"logged{r}.pt")
+        assert abs(logged["train/reward"] - 0.375) < 1e-6 and abs(logged["train/rewards/skewed"] - 0.375) < 1e-6, logged
+        assert logged["train/groups_dropped"] == 1.0      # rank 0 its surplus group, rank 1 its flat one
 
 
 def test_ddp_a_non_finite_loss_on_one_rank_skips_the_update_on_all(tmp_path):
@@ -90,6 +96,8 @@ def _ddp_two_ranks(tmp_path, accelerator: str, dtype: str, edit=None, timeout: i
             def on_train_end(self, trainer, pl_module):
                 lora = {{n: p.detach().clone() for n, p in pl_module.model.named_parameters() if p.requires_grad}}
                 torch.save(lora, f"{tmp_path}/rank{{trainer.global_rank}}.pt")
+                logged = {{k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("train/")}}
+                torch.save(logged, f"{tmp_path}/logged{{trainer.global_rank}}.pt")
     """))
     cfg = yaml.safe_load((ROOT / "configs" / "quickstart.yaml").read_text())
     cfg["trainer"].update(max_steps=2, strategy="ddp", devices=2, enable_progress_bar=False, val_check_interval=2,
