@@ -21,7 +21,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from qerl.model import LoraSettings, add_lora, quantize_decoder_linears  # noqa: E402
+from qerl.model import LoraSettings, add_lora, quantize_decoder_linears, quantize_decoder_linears_nf4  # noqa: E402
 from qerl.rollout import SamplingSettings  # noqa: E402
 from qerl.rollout.hf import HFEngine  # noqa: E402
 
@@ -45,6 +45,8 @@ def build(shape: str, quantization: str, device: str):
             p.normal_(std=0.02) if p.dim() == 2 else None
     if quantization == "nvfp4":
         quantize_decoder_linears(model, device)
+    elif quantization == "nf4":  # QLoRA (bitsandbytes), for benchmarks/train_step.py
+        quantize_decoder_linears_nf4(model, device)
     model = add_lora(model, LoraSettings(rank=32, alpha=32))
     with torch.no_grad():  # a non-zero adapter, as after a few RL steps
         for n, p in model.named_parameters():

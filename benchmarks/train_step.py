@@ -30,37 +30,20 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from qerl.losses import selective_log_softmax  # noqa: E402
-from qerl.model import (LoraSettings, add_lora, base_weight_bytes, quantize_decoder_linears,  # noqa: E402
-                        quantize_decoder_linears_nf4)
+from qerl.model import base_weight_bytes  # noqa: E402
 from qerl.rollout import SamplingSettings  # noqa: E402
 from qerl.rollout.hf import HFEngine  # noqa: E402
-from rollout_hf import SHAPES  # noqa: E402
+from rollout_hf import SHAPES, build as build_random  # noqa: E402
 
 GB = 1024 ** 3
 
 
 def build(shape: str, arm: str, device: str):
-    from transformers import AutoModelForCausalLM, Qwen2Config
-
-    config = Qwen2Config(**SHAPES[shape], max_position_embeddings=4096, tie_word_embeddings=False)
-    torch.manual_seed(0)
-    with torch.device(device):
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.normal_(std=0.02) if p.dim() == 2 else None
-    if arm == "nvfp4":
-        quantize_decoder_linears(model, device)
-    elif arm == "nf4":
-        quantize_decoder_linears_nf4(model, device)
-    model = add_lora(model, LoraSettings(rank=32, alpha=32))
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})   # as QeRLModule
+    """``rollout_hf.build``'s random model (LoRA r32, non-zero B) with gradient checkpointing, as QeRLModule."""
+    model, vocab = build_random(shape, arm, device)
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.enable_input_require_grads()
-    with torch.no_grad():
-        for n, p in model.named_parameters():
-            if "lora_B" in n:
-                p.normal_(std=1e-3)
-    return model, config.vocab_size
+    return model, vocab
 
 
 def sync(device: str) -> None:
@@ -93,7 +76,6 @@ def train_steps(model, vocab: int, batch: int, seq: int, device: str, steps: int
         sync(device)
         times.append(time.perf_counter() - t0)
     peak = torch.cuda.max_memory_allocated() / GB if device == "cuda" else float("nan")
-    del opt
     return statistics.median(times), peak
 
 
