@@ -28,6 +28,14 @@ from qerl.rollout.vllm import VLLMSettings  # settings only: vllm itself is impo
 from qerl.seeding import resolve_seed
 
 
+def generation_seed(seed: int, step: int, round_: int, rank: int = 0) -> int:
+    """Seed of one ``generate`` call: step ``step``, refill round ``round_`` (< 16), DDP rank ``rank``.
+
+    Each rank gets its own stream: with one seed for all, the ranks' samples would share their
+    random draws (correlated across the global batch); rank 0 keeps the single-process seed."""
+    return (seed * 1_000_003 + step) * 16 + round_ + (int(rank) << 40)
+
+
 def min_over_ranks(trainer, value: int, device) -> int:
     """The smallest ``value`` over the data-parallel ranks (``value`` itself in one process)."""
     if getattr(trainer, "world_size", 1) <= 1:
@@ -182,7 +190,8 @@ class RolloutCallback(L.Callback):
         """Generate G completions per prompt and score them; returns (kept groups, dropped groups)."""
         G, tok = self.group_size, pl_module.tokenizer
         t0 = time.perf_counter()
-        gen = self.engine.generate(prompt_ids, G, self.sampling, seed=(self.seed * 1_000_003 + step) * 16 + round_)  # round_ < 16
+        seed = generation_seed(self.seed, step, round_, pl_module.global_rank)
+        gen = self.engine.generate(prompt_ids, G, self.sampling, seed=seed)
         timings["generate"] += time.perf_counter() - t0
         for part, seconds in gen.timings.items():  # vllm: wake / generate / sleep inside generate
             if part != "generate":

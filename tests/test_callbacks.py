@@ -159,3 +159,12 @@ def test_nan_loss_skips_the_update_and_loses_nothing(tmp_path):
         if p.requires_grad:
             assert torch.isfinite(p).all(), n
     assert any(not torch.equal(p, lora_before[n]) for n, p in module.model.named_parameters() if p.requires_grad)
+
+
+def test_generation_seed_differs_per_rank_and_keeps_rank_0():
+    """Under DDP each rank samples its own random stream (one shared seed would correlate the
+    ranks' samples); rank 0's seed is the single-process one, so one-GPU runs are unchanged."""
+    from callbacks.rollout import generation_seed
+    assert generation_seed(7, 3, 1) == (7 * 1_000_003 + 3) * 16 + 1 == generation_seed(7, 3, 1, rank=0)
+    seeds = {generation_seed(s, step, r, rank) for s in (0, 1) for step in range(50) for r in range(16) for rank in range(8)}
+    assert len(seeds) == 2 * 50 * 16 * 8                       # no two (seed, step, round, rank) collide

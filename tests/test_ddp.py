@@ -5,6 +5,7 @@ The frozen NVFP4 base is not broadcast (each rank builds it from ``model``; NVFP
 go into DDP's flat buckets): only LoRA is synced. After training, both ranks must hold the same
 LoRA weights, and those must have moved."""
 
+import importlib.util
 import json
 import os
 import signal
@@ -29,6 +30,27 @@ def test_ddp_two_cpu_ranks_train_the_same_lora(tmp_path, dtype):
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
 def test_ddp_two_gpus_train_the_same_lora(tmp_path):
     _ddp_two_ranks(tmp_path, "gpu", "bf16")      # the NVFP4 kernels' dtype
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2 or importlib.util.find_spec("vllm") is None,
+                    reason="needs 2 GPUs and vLLM")
+def test_ddp_two_gpus_vllm_engine(tmp_path):
+    """engine: vllm under DDP: one colocated vLLM per rank (vLLM's external launcher, each rank its own
+    GPU and prompts), adapters pushed per rank, sleep/wake around training, validation in vLLM too."""
+    from qerl.tiny import build_tiny_model, build_tiny_tokenizer
+    small = tmp_path / "small"              # dims Marlin and vLLM's attention take (head_dim 128)
+    build_tiny_model("qwen2", hidden_size=256, intermediate_size=512, num_heads=2, num_kv_heads=1,
+                     dtype=torch.bfloat16).save_pretrained(small)
+    build_tiny_tokenizer().save_pretrained(small)
+
+    def vllm(cfg):
+        cfg["model"]["model"] = str(small)
+        for cb in cfg["trainer"]["callbacks"]:
+            if cb["class_path"].endswith("RolloutCallback"):
+                cb["init_args"].update(engine="vllm", vllm={"gpu_memory_utilization": 0.2, "max_model_len": 256,
+                                                            "llm_kwargs": {"enforce_eager": True}})
+    _ddp_two_ranks(tmp_path, "gpu", "bf16", edit=vllm)
 
 
 def test_ddp_dynamic_sampling_ranks_keep_different_group_counts(tmp_path):

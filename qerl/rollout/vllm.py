@@ -193,6 +193,30 @@ def _rng_preserved():
         set_global_rng_state(state)
 
 
+@contextlib.contextmanager
+def _torchrun_env():
+    """Under DDP: the variables vLLM's ``external_launcher`` reads (``RANK``, ``LOCAL_RANK``,
+    ``WORLD_SIZE``), which torchrun sets and Lightning's own launcher does not (it sets
+    ``LOCAL_RANK`` and ``MASTER_*`` only). ``LOCAL_RANK`` becomes the CUDA device this rank trains
+    on, which is the device vLLM's worker takes. Restored afterwards."""
+    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        yield
+        return
+    want = {"RANK": str(torch.distributed.get_rank()), "WORLD_SIZE": str(torch.distributed.get_world_size())}
+    if torch.cuda.is_available():
+        want["LOCAL_RANK"] = str(torch.cuda.current_device())
+    old = {k: os.environ.get(k) for k in want}
+    os.environ.update(want)
+    try:
+        yield
+    finally:
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
 # ----------------------------------------------------------------------------- the engine
 class VLLMEngine(RolloutEngine):
     """Rollouts on a colocated, in-process vLLM (see the module docstring).
@@ -250,11 +274,12 @@ class VLLMEngine(RolloutEngine):
             gpu_memory_utilization=s.gpu_memory_utilization, enable_sleep_mode=s.sleep,
             max_model_len=s.max_model_len, logprobs_mode="processed_logprobs", skip_tokenizer_init=True)
         if torch.distributed.is_available() and torch.distributed.is_initialized():
-            kwargs["distributed_executor_backend"] = "external_launcher"  # as TRL does under DDP
+            # as TRL and verl do under DDP: one engine per rank (vLLM's "external DP"), no workers of its own
+            kwargs["distributed_executor_backend"] = "external_launcher"
         kwargs.update(s.llm_kwargs)
         if torch.cuda.is_available():
             torch.cuda.empty_cache()  # vLLM sizes its share from the free memory it sees at start
-        with _rng_preserved():  # vLLM seeds the process-global generators with its own seed
+        with _rng_preserved(), _torchrun_env():  # vLLM seeds the process-global generators with its own seed
             self.llm = vllm.LLM(**kwargs)
         if not self._use_disk:
             try:
