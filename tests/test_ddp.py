@@ -48,7 +48,7 @@ def test_ddp_two_gpus_vllm_engine(tmp_path):
         cfg["model"]["model"] = str(small)
         for cb in cfg["trainer"]["callbacks"]:
             if cb["class_path"].endswith("RolloutCallback"):
-                cb["init_args"].update(engine="vllm", vllm={"gpu_memory_utilization": 0.2, "max_model_len": 256,
+                cb["init_args"].update(engine="vllm", vllm={"gpu_memory_utilization": 0.2, "max_model_len": 512,
                                                             "llm_kwargs": {"enforce_eager": True}})
     _ddp_two_ranks(tmp_path, "gpu", "bf16", edit=vllm)
 
