@@ -10,7 +10,9 @@ Public API (called by ``qerl/nvfp4.py``'s autograd function for CUDA tensors; bi
 Weight format: ``qdata`` uint8 [N, K/2] (low nibble = even k), ``scale`` float8_e4m3fn [N, K/16],
 ``per_tensor_scale`` fp32 0-d. x / grad_out may have leading batch dims (flattened); outputs are in
 the activation dtype with fp32 accumulation. Triton is imported lazily so ``import kernels``
-works on a machine without it. Design notes: ``kernels/nvfp4_w4a16.py``.
+works on a machine without it. Design notes: ``kernels/nvfp4_w4a16.py`` (Triton),
+``kernels/nvfp4_skinny.py`` (CUDA, decode), ``kernels/nvfp4_wgmma.py`` (CUDA, 17-128 tokens),
+measurements: ``kernels/NOTES.md``; which one runs per shape: ``kernels/_launch.py``.
 """
 
 import torch

@@ -3,6 +3,8 @@
 Path per call (``M`` = rows of the activation):
 * ``cuda`` (forward, bf16, M <= 16, K % 128 == 0): the NVRTC-compiled MMA kernel of
   ``kernels/nvfp4_skinny.py`` that decodes straight into the MMA fragments (decode);
+* ``wgmma`` (forward, bf16, M = 17..128, K % 128 == 0, sm_90): ``kernels/nvfp4_wgmma.py``, the same
+  fragment decode feeding Hopper's ``wgmma`` with the activations in shared memory (batched decode);
 * fused Triton kernel (``_fwd_kernel`` / ``_bwd_kernel``): small and mid M, memory-bound or
   close to it, where reading 0.56 B/weight instead of 2 B pays;
 * ``dequant``: ``_dequant_kernel`` writes W in the activation dtype into a transient buffer, then
@@ -38,10 +40,11 @@ def _interpret() -> bool:
 
 @dataclass(frozen=True)
 class Config:
-    """One launch choice. ``kind`` 'fused', 'cuda' or 'dequant'. ``split`` None = from ``waves``.
+    """One launch choice. ``kind`` 'fused', 'cuda', 'wgmma' or 'dequant'. ``split`` None = from ``waves``.
 
     For 'cuda' only ``BN`` (weight rows per CTA, 16 or 32), ``warps`` (K split inside the CTA),
-    ``split`` (K split across CTAs) and ``sm_warps`` are read."""
+    ``split`` (K split across CTAs) and ``sm_warps`` are read; for 'wgmma' ``BN`` (64 rows per
+    warpgroup), ``BM`` (tokens per CTA), ``split`` and ``sm_warps``."""
     kind: str = "fused"
     BM: int = 16
     BN: int = 128
@@ -57,6 +60,9 @@ class Config:
     def short(self) -> str:
         if self.kind == "dequant":
             return "dequant+cublas"
+        if self.kind == "wgmma":
+            return (f"wgmma BN{self.BN} BM{self.BM} split={self.split or 'auto'}"
+                    f"{'' if self.sm_warps == 16 else f' occ{self.sm_warps}'}")
         if self.kind == "cuda":
             return (f"cuda BN{self.BN} w{self.warps} split={self.split or 'auto'}"
                     f"{'' if self.sm_warps == 16 else f' occ{self.sm_warps}'}")
@@ -74,6 +80,10 @@ def _fused(BM, BN, BK, warps=4, stages=3, swap=False, **kw):
 
 def _cuda(BN, warps, split=None, sm_warps=16):
     return Config("cuda", 16, BN, 128, warps, 1, split=split, sm_warps=sm_warps)
+
+
+def _wgmma(BN, BM, split=None, sm_warps=16):
+    return Config("wgmma", BM, BN, 128, BN // 16, 1, split=split, sm_warps=sm_warps)
 
 
 # Candidates per M bucket; the first is the default used without tuning. "BN" is the weight-row
@@ -95,17 +105,19 @@ def candidates(op: str, mb: int) -> list:
                   F(16, 64, 256, 4, 3, waves=8.0), F(16, 128, 64, 4, 4, waves=8.0), F(16, 64, 256, 8, 3),
                   F(16, 128, 128, 8, 4), F(16, 32, 256, 4, 4)]
         return cuda + triton if mb <= 8 else triton[:1] + cuda + triton[1:]
+    W = _wgmma      # forward only; won 7B/32B gate_up and down at M = 64 (kernels/NOTES.md)
+    wg = [W(128, 64, 1, 24), W(256, 64, 1), W(256, 32, 4), W(128, 32, 4, 24), W(128, 64, 4)] if op == "fwd" else []
     if mb <= 32:
         return [F(32, 64, 128, 4, 4), F(32, 128, 64, 4, 4, True, v2=True), F(32, 64, 128, 4, 4, True, v2=True),
-                F(32, 64, 256, 4, 3), F(16, 64, 256, 4, 3)]
+                F(32, 64, 256, 4, 3), F(16, 64, 256, 4, 3)] + [c for c in wg if c.BM == 32]
     if mb <= 64:
         return [F(64, 128, 64, 4, 4, True, v2=True), F(32, 64, 128, 4, 4), F(64, 64, 128, 4, 4, True, v2=True),
                 F(32, 128, 64, 4, 4, True, v2=True), F(64, 128, 64, 8, 4, True, v2=True),
-                F(64, 128, 64, 4, 4), F(64, 64, 128, 4, 4, True), DEQUANT]
+                F(64, 128, 64, 4, 4), F(64, 64, 128, 4, 4, True), DEQUANT] + wg
     if mb <= 128:
         return [F(64, 128, 64, 4, 4, True, v2=True), F(128, 128, 64, 8, 4, True, v2=True),
                 F(64, 128, 64, 8, 4, True, v2=True), F(128, 128, 64, 8, 4), F(128, 128, 128, 8, 3),
-                F(64, 64, 128, 4, 4, True), DEQUANT]
+                F(64, 64, 128, 4, 4, True), DEQUANT] + wg
     return [DEQUANT, F(128, 128, 64, 8, 4), F(128, 128, 128, 8, 3), F(128, 128, 64, 8, 4, True, v2=True),
             F(64, 128, 64, 8, 4, True, v2=True)]
 
@@ -207,18 +219,30 @@ def _pts(p):
     return p if p.dtype == torch.float32 else p.float()
 
 
+def _nvrtc_forward(a, qdata, scale, pts, out, cfg: Config):
+    """The NVRTC kernels' forward ('cuda': skinny, 'wgmma'), or None where they do not apply."""
+    from . import nvfp4_skinny, nvfp4_wgmma
+    if _interpret():
+        return None
+    common = (a, qdata, scale.view(torch.uint8), _pts(pts), out, lambda n: _counters(a.device, n), _num_sms(a.device))
+    try:
+        if cfg.kind == "cuda" and nvfp4_skinny.supported(a, qdata, scale):
+            return nvfp4_skinny.forward(*common, R=cfg.BN // 16, WARPS=cfg.warps, split=cfg.split,
+                                        SM_WARPS=cfg.sm_warps)
+        if cfg.kind == "wgmma" and nvfp4_wgmma.supported(a, qdata, scale):
+            return nvfp4_wgmma.forward(*common, WG=cfg.BN // 64, TN=cfg.BM, split=cfg.split,
+                                       SM_CTAS=max(1, cfg.sm_warps // (cfg.BN // 16)))
+    except nvfp4_skinny.CompileError:      # warned once; Triton from now on
+        pass
+    return None
+
+
 def _run(op, a, qdata, scale, pts, out, cfg: Config):
-    if cfg.kind == "cuda":
-        from . import nvfp4_skinny
-        if op == "fwd" and not _interpret() and nvfp4_skinny.supported(a, qdata, scale):
-            try:
-                return nvfp4_skinny.forward(a, qdata, scale.view(torch.uint8), _pts(pts), out,
-                                            lambda n: _counters(a.device, n), _num_sms(a.device),
-                                            R=cfg.BN // 16, WARPS=cfg.warps, split=cfg.split,
-                                            SM_WARPS=cfg.sm_warps)
-            except nvfp4_skinny.CompileError:      # warned once; Triton from now on
-                pass
-        cfg = next(c for c in candidates(op, _bucket(a.shape[0])) if c.kind != "cuda")
+    if cfg.kind in ("cuda", "wgmma"):
+        res = _nvrtc_forward(a, qdata, scale, pts, out, cfg) if op == "fwd" else None
+        if res is not None:
+            return res
+        cfg = next(c for c in candidates(op, _bucket(a.shape[0])) if c.kind not in ("cuda", "wgmma"))
     if cfg.kind == "dequant":
         w = dequantize(qdata, scale, pts, a.dtype)
         return torch.matmul(a, w.t() if op == "fwd" else w, out=out)

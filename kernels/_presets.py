@@ -2,7 +2,7 @@
 
 Winners of the graph-timed tuner (``kernels._launch.tune``), written by
 ``python benchmarks/kernels.py --tune --write-presets kernels/presets_h200.json``, keyed by
-(op, bucket(M), N, K) and applied for bf16 and fp16 activations (a ``cuda`` preset runs the Triton
+(op, bucket(M), N, K) and applied for bf16 and fp16 activations (a ``cuda`` or ``wgmma`` preset runs the Triton
 default for fp16, which the CUDA kernel does not take). With a preset no timing happens on first
 use, so the first call may also be made during CUDA-graph capture. ``QERL_KERNELS_PRESETS=0``
 ignores them (then the tuner runs).

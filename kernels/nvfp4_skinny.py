@@ -44,7 +44,9 @@ import warnings
 
 import torch
 
-_SRC = r"""
+# Device helpers shared with the wgmma kernel (kernels/nvfp4_wgmma.py): the fragment decode, the
+# e4m3 scale conversion, MMA and load wrappers, the split-K rendezvous primitives.
+DEVICE_HELPERS = r"""
 typedef unsigned int u32;
 typedef unsigned short u16;
 
@@ -137,7 +139,9 @@ __device__ __forceinline__ float ld_cg(const float *p) {
   return v;
 }
 
+"""
 
+_SRC = DEVICE_HELPERS + r"""
 struct Chunk {
   uint4 q[R][2];      // 16 bytes of rows g, g+8 of each row tile
   u32 s[R][2];        // the two e4m3 scales (groups 2t, 2t+1) of each of those rows
@@ -330,16 +334,18 @@ def available() -> bool:
     return not _BROKEN and torch.cuda.is_available() and hasattr(torch.cuda, "_compile_kernel")
 
 
-def compile_source(src: str):
-    """``torch.cuda._compile_kernel`` on the current device; a failure is remembered (``available()``
-    turns false: the callers fall back to Triton), warned about once, and raised as CompileError."""
+def compile_source(src: str, name: str = "nvfp4_skinny_fwd", broken: list | None = None, **kwargs):
+    """``torch.cuda._compile_kernel`` on the current device; a failure is remembered in ``broken``
+    (default: this kernel's, so ``available()`` turns false and the callers use Triton), warned
+    about once, and raised as CompileError."""
+    broken = _BROKEN if broken is None else broken
     try:
-        return torch.cuda._compile_kernel(src, "nvfp4_skinny_fwd")
+        return torch.cuda._compile_kernel(src, name, **kwargs)
     except Exception as e:
-        if not _BROKEN:
-            warnings.warn(f"NVFP4 CUDA skinny kernel unavailable, using the Triton kernels instead "
+        if not broken:
+            warnings.warn(f"NVFP4 CUDA kernel {name} unavailable, using the Triton kernels instead "
                           f"({type(e).__name__}: {str(e)[:300]})", RuntimeWarning, stacklevel=2)
-        _BROKEN.append(f"{type(e).__name__}: {e}")
+        broken.append(f"{type(e).__name__}: {e}")
         raise CompileError(str(e)) from e
 
 

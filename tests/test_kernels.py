@@ -243,6 +243,35 @@ def test_skinny_source_compiles_without_spills():
             assert "0 bytes spill stores" in r.stderr and "stack frame" in r.stderr, r.stderr
 
 
+def _wgmma_candidates():
+    from kernels import _launch as L
+    return [c for c in L.candidates("fwd", 64) if c.kind == "wgmma"]
+
+
+def test_wgmma_source_compiles_without_spills():
+    """Every tuner candidate of the wgmma kernel assembles for sm_90a (wgmma is arch-specific) with
+    nvcc (when present), in registers, with its accumulators, and its shared memory static."""
+    import shutil
+    import subprocess
+    import tempfile
+    from kernels import nvfp4_wgmma
+    nvcc = shutil.which("nvcc")
+    if nvcc is None:
+        pytest.skip("nvcc not on PATH")
+    with tempfile.TemporaryDirectory() as d:
+        for c in _wgmma_candidates():
+            WG, smc = c.BN // 64, max(1, c.sm_warps // (c.BN // 16))
+            src = os.path.join(d, f"w{WG}_{c.BM}_{smc}.cu")
+            with open(src, "w") as f:
+                f.write(nvfp4_wgmma.source(WG, c.BM, smc))
+            r = subprocess.run([nvcc, "-arch=sm_90a", "-cubin", "-Xptxas", "-v", "-o", src + ".cubin", src],
+                               capture_output=True, text=True)
+            assert r.returncode == 0, r.stderr[-2000:]
+            assert "0 bytes spill stores" in r.stderr and "serialized" not in r.stderr, r.stderr
+    with pytest.raises(ValueError, match="TN"):
+        nvfp4_wgmma.source(2, 128)                                  # 64 KB of static shared memory
+
+
 def test_presets_file_round_trip(tmp_path):
     """kernels/presets_h200.json loads into the tuner's keys (bf16 and fp16), survives a write/load
     round trip, and pins only what each op can run (the CUDA kernel is forward-only)."""
@@ -250,8 +279,8 @@ def test_presets_file_round_trip(tmp_path):
     from kernels import _launch as L, _presets as P
     table = P.load_presets()
     assert table and all(k[1] in (T.bfloat16, T.float16) for k in table)
-    assert all(c.kind in ("fused", "cuda", "dequant") for c in table.values())
-    assert not any(c.kind == "cuda" for k, c in table.items() if k[0] == "bwd")
+    assert all(c.kind in ("fused", "cuda", "wgmma", "dequant") for c in table.values())
+    assert not any(c.kind in ("cuda", "wgmma") for k, c in table.items() if k[0] == "bwd")
     assert table[("fwd", T.bfloat16, 1, 37888, 3584)].kind == "cuda"          # 7B gate_up at M = 1
     P.write_presets(table, tmp_path / "p.json", how="test", device="cpu")
     assert P.load_presets(tmp_path / "p.json") == table
@@ -308,6 +337,31 @@ def test_gpu_skinny_forward(BN, WARPS, SPLIT):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not CUDA, reason="needs CUDA")
+@pytest.mark.parametrize("cfg", _wgmma_candidates(), ids=lambda c: c.short().replace(" ", "_"))
+def test_gpu_wgmma_forward(cfg):
+    """The wgmma kernel against the fp64 reference: M within one token tile and across several,
+    N off the 64-row tiles, K from one chunk to a split one, a strided activation, poisoned outputs,
+    deterministic (split-K sums in a fixed order)."""
+    from kernels import _launch as L, nvfp4_wgmma
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("wgmma needs sm_90")
+    for M, N, K in [(17, 64, 128), (40, 200, 384), (64, 4608, 3584), (100, 300, 768), (128, 3584, 18944),
+                    (33, 257, 1024)]:
+        q, s, p = rand_weight(N, K, "cuda")
+        W = ref_weight(q, s, p)
+        xs = torch.randn(M, K + 64, device="cuda", dtype=torch.bfloat16)[:, :K]      # ldx = K + 64
+        assert nvfp4_wgmma.supported(xs, q, s)
+        y = torch.full((M, N), float("nan"), device="cuda", dtype=torch.bfloat16)
+        L.linear_forward(xs, q, s, p, out=y, config=cfg)
+        y2 = L.linear_forward(xs, q, s, p, config=cfg)
+        torch.cuda.synchronize()
+        assert torch.equal(y, y2), "not deterministic"
+        err = rel_err(y, xs.double().cpu() @ W.t())
+        assert err <= 1e-2, f"{cfg.short()} M={M} N={N} K={K}: {err:.2e}"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs CUDA")
 def test_gpu_skinny_exact_decode_every_k():
     """One-hot activations pick single weights: y[m, n] must be bf16(W[n, k_m]) exactly, for every
     k position of a chunk (checks the fragment k permutation), every byte and e4m3 subnormal scales."""
@@ -320,7 +374,10 @@ def test_gpu_skinny_exact_decode_every_k():
     p = torch.tensor(0.0123, dtype=torch.float32)
     ref = ref_weight(q, s, p).to(torch.bfloat16)                                   # [N, K]
     qc, sc_, pc = q.cuda(), s.cuda(), p.cuda()
-    for cfg in [L._cuda(16, 8), L._cuda(32, 4, 2)]:
+    configs = [L._cuda(16, 8), L._cuda(32, 4, 2)]
+    if torch.cuda.get_device_capability() == (9, 0):
+        configs += [L._wgmma(128, 32, 1, 24), L._wgmma(256, 64, 2)]                 # same decode, wgmma
+    for cfg in configs:
         for k0 in range(0, K, 16):
             x = torch.zeros(16, K, dtype=torch.bfloat16)
             x[torch.arange(16), k0 + torch.arange(16)] = 1.0
@@ -333,17 +390,20 @@ def test_gpu_skinny_exact_decode_every_k():
 def test_gpu_skinny_in_cuda_graph():
     from kernels import _launch as L
     q, s, p = rand_weight(1000, 2048, "cuda")
-    x = torch.randn(3, 2048, device="cuda", dtype=torch.bfloat16)
-    out = torch.full((3, 1000), float("nan"), device="cuda", dtype=torch.bfloat16)
-    cfg = L._cuda(32, 4, 2)                                                         # split: counters
-    L.linear_forward(x, q, s, p, out=out, config=cfg)                               # compile outside
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        L.linear_forward(x, q, s, p, out=out, config=cfg)
     W = ref_weight(q, s, p)
-    for _ in range(2):
-        out.fill_(float("nan"))
-        x.copy_(torch.randn_like(x))
-        g.replay()
-        torch.cuda.synchronize()
-        assert rel_err(out, x.double().cpu() @ W.t()) <= 1e-2
+    configs = [L._cuda(32, 4, 2)]                                                   # split: counters
+    if torch.cuda.get_device_capability() == (9, 0):
+        configs.append(L._wgmma(128, 32, 2, 24))
+    for cfg in configs:
+        x = torch.randn(3 if cfg.kind == "cuda" else 40, 2048, device="cuda", dtype=torch.bfloat16)
+        out = torch.full((x.shape[0], 1000), float("nan"), device="cuda", dtype=torch.bfloat16)
+        L.linear_forward(x, q, s, p, out=out, config=cfg)                           # compile outside
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            L.linear_forward(x, q, s, p, out=out, config=cfg)
+        for _ in range(2):
+            out.fill_(float("nan"))
+            x.copy_(torch.randn_like(x))
+            g.replay()
+            torch.cuda.synchronize()
+            assert rel_err(out, x.double().cpu() @ W.t()) <= 1e-2, cfg.short()
