@@ -105,7 +105,7 @@ def candidates(op: str, mb: int) -> list:
                   F(16, 64, 256, 4, 3, waves=8.0), F(16, 128, 64, 4, 4, waves=8.0), F(16, 64, 256, 8, 3),
                   F(16, 128, 128, 8, 4), F(16, 32, 256, 4, 4)]
         return cuda + triton if mb <= 8 else triton[:1] + cuda + triton[1:]
-    W = _wgmma      # forward only; won 7B/32B gate_up and down at M = 64 (kernels/NOTES.md)
+    W = _wgmma      # forward only; won 7B gate_up / down and 32B gate_up at M = 64 (kernels/NOTES.md)
     wg = [W(128, 64, 1, 24), W(256, 64, 1), W(256, 32, 4), W(128, 32, 4, 24), W(128, 64, 4)] if op == "fwd" else []
     if mb <= 32:
         return [F(32, 64, 128, 4, 4), F(32, 128, 64, 4, 4, True, v2=True), F(32, 64, 128, 4, 4, True, v2=True),

@@ -7,6 +7,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import math
+import os
 import sys
 import types
 from pathlib import Path
@@ -463,3 +464,21 @@ def test_vllm_logprobs_match_the_trainer_gpu(tmp_path):
     greedy = SamplingSettings(temperature=0.0, max_new_tokens=16)
     a, b = (engine.generate(prompts, 1, greedy, seed=0) for _ in range(2))
     assert a.completion_ids == b.completion_ids
+
+
+def test_torchrun_env_for_vllm_under_ddp(tmp_path, monkeypatch):
+    """Under DDP, vLLM's external launcher reads RANK / LOCAL_RANK / WORLD_SIZE, which Lightning's
+    launcher does not set: they are set while the engine starts and restored afterwards."""
+    import torch.distributed as dist
+    from qerl.rollout.vllm import _torchrun_env
+    monkeypatch.delenv("RANK", raising=False)
+    monkeypatch.setenv("WORLD_SIZE", "7")
+    with _torchrun_env():                      # no process group: nothing to do
+        assert "RANK" not in os.environ and os.environ["WORLD_SIZE"] == "7"
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
+    try:
+        with _torchrun_env():
+            assert os.environ["RANK"] == "0" and os.environ["WORLD_SIZE"] == "1"
+        assert "RANK" not in os.environ and os.environ["WORLD_SIZE"] == "7"
+    finally:
+        dist.destroy_process_group()
