@@ -110,7 +110,35 @@ def test_ddp_a_non_finite_loss_on_one_rank_skips_the_update_on_all(tmp_path):
     _ddp_two_ranks(tmp_path, "cpu", "fp32", edit=nan_reward, timeout=300)
 
 
-def _ddp_two_ranks(tmp_path, accelerator: str, dtype: str, edit=None, timeout: int = 600):
+def test_ddp_resume_matches_straight_run(tmp_path):
+    """2 ranks: 2 steps, a checkpoint, ``--ckpt_path last`` for 2 more equals 4 steps straight (data
+    position, AQN step, optimizer and LoRA restored on both ranks; each rank's rollout seed comes
+    from (seed, step, rank), not from the restored global generator)."""
+    def resumable(steps, run):
+        def edit(cfg):
+            cfg["trainer"]["max_steps"] = steps
+            cfg["trainer"]["val_check_interval"] = 100        # no validation: only training differs
+            cfg["model"]["optimizer"]["schedule"] = "constant"  # a cosine spans max_steps (2 vs 4)
+            cfg["trainer"]["callbacks"].insert(0, {
+                "class_path": "lightning.pytorch.callbacks.ModelCheckpoint",
+                "init_args": {"dirpath": str(tmp_path / run / "ckpt"), "save_last": True, "every_n_train_steps": 1}})
+        return edit
+    straight = _ddp_fit(tmp_path / "straight", edit=resumable(4, "straight"))
+    _ddp_fit(tmp_path / "resumed", edit=resumable(2, "resumed"))
+    ckpt = torch.load(tmp_path / "resumed" / "ckpt" / "last.ckpt", map_location="cpu", weights_only=False)
+    assert ckpt["global_step"] == 2
+    resumed = _ddp_fit(tmp_path / "resumed", edit=resumable(4, "resumed"), args=["--ckpt_path", "last"])
+    for r in (0, 1):
+        a, b = straight[r], resumed[r]
+        assert a.keys() == b.keys()
+        for name in a:
+            assert torch.allclose(a[name], b[name], atol=1e-6), (r, name, (a[name] - b[name]).abs().max())
+
+
+def _ddp_fit(tmp_path, accelerator: str = "cpu", dtype: str = "fp32", edit=None, args=(), timeout: int = 600):
+    """``train.py fit`` of the shortened quickstart on 2 DDP ranks in a subprocess; returns each
+    rank's trainable parameters at the end ({rank: {name: tensor}})."""
+    tmp_path.mkdir(parents=True, exist_ok=True)
     (tmp_path / "dump_lora.py").write_text(textwrap.dedent(f"""
         import torch, lightning as L
 
@@ -138,7 +166,7 @@ def _ddp_two_ranks(tmp_path, accelerator: str, dtype: str, edit=None, timeout: i
     (tmp_path / "ddp.yaml").write_text(yaml.safe_dump(cfg))
     path = os.pathsep.join(p for p in (str(tmp_path), str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
     env = {**os.environ, "PYTHONPATH": path, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.Popen([sys.executable, str(ROOT / "train.py"), "fit", "--config", str(tmp_path / "ddp.yaml")],
+    proc = subprocess.Popen([sys.executable, str(ROOT / "train.py"), "fit", "--config", str(tmp_path / "ddp.yaml"), *args],
                             cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             start_new_session=True)         # its own process group: the ranks die together
     try:
@@ -148,7 +176,14 @@ def _ddp_two_ranks(tmp_path, accelerator: str, dtype: str, edit=None, timeout: i
         proc.communicate()
         pytest.fail(f"the DDP run did not finish in {timeout} s (ranks out of step in a collective?)")
     assert proc.returncode == 0, stderr[-3000:]
-    rank0, rank1 = (torch.load(tmp_path / f"rank{r}.pt", map_location="cpu") for r in (0, 1))
+    return {r: torch.load(tmp_path / f"rank{r}.pt", map_location="cpu") for r in (0, 1)}
+
+
+def _ddp_two_ranks(tmp_path, accelerator: str, dtype: str, edit=None, timeout: int = 600):
+    """A 2-rank fit whose ranks must end with the same, trained LoRA, the adapter written once and
+    the validation report listing every problem once."""
+    lora = _ddp_fit(tmp_path, accelerator, dtype, edit=edit, timeout=timeout)
+    rank0, rank1 = lora[0], lora[1]
     assert rank0.keys() == rank1.keys() and all("lora_" in n for n in rank0)
     for name in rank0:
         assert torch.equal(rank0[name], rank1[name]), name
