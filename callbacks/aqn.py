@@ -91,10 +91,15 @@ class AQNCallback(L.Callback):
         self.prepare_step(trainer, pl_module)
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        """Feed the state monitor with this step's mean reward and entropy."""
+        """Feed the state monitor with this step's mean reward and entropy, both over all DDP ranks
+        (``train/entropy`` is logged reduced): every rank's controller then takes the same decision,
+        so all ranks draw the same noise, and rank 0's checkpointed state is every rank's."""
         rollout = batch.get("rollout") if isinstance(batch, dict) else None
         if rollout is not None:
-            self.monitor.rewards.append(float(rollout.rewards.float().mean()))
+            reward = rollout.rewards.float().mean()
+            if getattr(trainer, "world_size", 1) > 1:
+                reward = trainer.strategy.reduce(reward.to(pl_module.device), reduce_op="mean")
+            self.monitor.rewards.append(float(reward))
         entropy = trainer.callback_metrics.get("train/entropy")
         if entropy is not None:
             self.monitor.entropies.append(float(entropy))

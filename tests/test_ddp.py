@@ -84,6 +84,8 @@ def test_ddp_dynamic_sampling_ranks_keep_different_group_counts(tmp_path):
         logged = torch.load(tmp_path / f"logged{r}.pt")
         assert abs(logged["train/reward"] - 0.375) < 1e-6 and abs(logged["train/rewards/skewed"] - 0.375) < 1e-6, logged
         assert logged["train/groups_dropped"] == 1.0      # rank 0 its surplus group, rank 1 its flat one
+        # the AQN state monitor (closed-loop controllers) sees the same, reduced reward on both ranks
+        assert logged["aqn_monitor_rewards"] == pytest.approx([0.375, 0.375]), logged["aqn_monitor_rewards"]
 
 
 def test_ddp_a_non_finite_loss_on_one_rank_skips_the_update_on_all(tmp_path):
@@ -147,6 +149,8 @@ def _ddp_fit(tmp_path, accelerator: str = "cpu", dtype: str = "fp32", edit=None,
                 lora = {{n: p.detach().clone() for n, p in pl_module.model.named_parameters() if p.requires_grad}}
                 torch.save(lora, f"{tmp_path}/rank{{trainer.global_rank}}.pt")
                 logged = {{k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("train/")}}
+                aqn = [cb for cb in trainer.callbacks if type(cb).__name__ == "AQNCallback"]
+                logged["aqn_monitor_rewards"] = list(aqn[0].monitor.rewards) if aqn else []
                 torch.save(logged, f"{tmp_path}/logged{{trainer.global_rank}}.pt")
     """))
     cfg = yaml.safe_load((ROOT / "configs" / "quickstart.yaml").read_text())
