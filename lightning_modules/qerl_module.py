@@ -382,9 +382,11 @@ class QeRLModule(EvaluationMixin, L.LightningModule):
         self._warn_on_silent_failures(float(metrics["train/frac_reward_zero_std"]), float(metrics["train/clipped_ratio"]))
 
     def _warn_on_silent_failures(self, frac_zero_std: float, clipped: float) -> None:
-        """The classic silent failures: no reward signal, or every completion cut at max length."""
-        self._streaks["zero_std"] = self._streaks["zero_std"] + 1 if frac_zero_std >= 1.0 else 0
-        self._streaks["truncated"] = self._streaks["truncated"] + 1 if clipped >= 0.9 else 0
+        """The classic silent failures: no reward signal, or every completion cut at max length (under
+        DDP: on every rank, so rank 0's warning speaks for the run, not for its own shard)."""
+        flat, truncated = self._on_all_ranks(frac_zero_std >= 1.0), self._on_all_ranks(clipped >= 0.9)
+        self._streaks["zero_std"] = self._streaks["zero_std"] + 1 if flat else 0
+        self._streaks["truncated"] = self._streaks["truncated"] + 1 if truncated else 0
         n = self.warn_after_steps
         if self._streaks["zero_std"] == n:
             rank_zero_warn(f"reward std has been 0 in every group for {n} steps: no learning signal "

@@ -116,3 +116,14 @@ def test_three_seeded_steps_regression(tmp_path, monkeypatch):
     got = {k: values[k] for k in EXPECTED_THREE_STEPS}
     for name, expected in EXPECTED_THREE_STEPS.items():
         assert got[name] == pytest.approx(expected, rel=1e-3, abs=1e-9), (name, got[name])
+
+
+def test_silent_failures_warn(tmp_path, monkeypatch):
+    """The quickstart's first step has no signal (every completion hits max_new_tokens, every
+    group's rewards equal): with warn_after_steps=1 both silent-failure warnings fire."""
+    monkeypatch.chdir(tmp_path)
+    with pytest.warns(UserWarning) as record:
+        main(["fit", *fast_args(tmp_path, 1, ["--model.warn_after_steps=1"])])
+    text = " | ".join(str(w.message) for w in record)
+    assert "reward std has been 0 in every group for 1 steps" in text, text
+    assert "hit max_new_tokens for 1 steps" in text, text
