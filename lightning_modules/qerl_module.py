@@ -405,20 +405,38 @@ class QeRLModule(EvaluationMixin, L.LightningModule):
     # ---------------------------------------------------------------- checkpoints
     def on_save_checkpoint(self, checkpoint: dict) -> None:
         """Keep only trainable parameters: the frozen base is rebuilt from ``model`` on resume. Also
-        keep the global generators (LoRA dropout draws from them), restored at the next batch."""
+        keep the global generators (LoRA dropout draws from them), restored at the next batch; under
+        DDP every rank's (rank 0 writes the file, but the ranks' generators differ once they have
+        drawn different amounts; every rank runs this hook, so the gather pairs up)."""
         trainable = {n for n, p in self.named_parameters() if p.requires_grad}
         checkpoint["state_dict"] = {k: v for k, v in checkpoint["state_dict"].items() if k in trainable}
         checkpoint["qerl_rng"] = global_rng_state()
+        if self._world_size() > 1:
+            states = [None] * self._world_size()
+            torch.distributed.all_gather_object(states, checkpoint["qerl_rng"])
+            checkpoint["qerl_rng_per_rank"] = states
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
-        self._resume_rng = checkpoint.get("qerl_rng")
+        per_rank, world = checkpoint.get("qerl_rng_per_rank"), self._world_size()
+        if per_rank is not None and len(per_rank) == world:
+            self._resume_rng = per_rank[self.global_rank]
+        else:  # one process, or a different world size: one state for all
+            self._resume_rng = checkpoint.get("qerl_rng")
 
-    def on_train_batch_start(self, batch, batch_idx: int) -> None:
+    def _world_size(self) -> int:
+        trainer = self._trainer
+        return int(trainer.world_size) if trainer is not None else 1
+
+    def on_after_batch_transfer(self, batch, dataloader_idx: int):
         # restored here, not at load: Lightning draws from the global generator in between (the
-        # dataloader iterator's base seed), which the uninterrupted run did before its first batch
-        if self._resume_rng is not None:
+        # dataloader iterator's base seed), which the uninterrupted run did before its first batch;
+        # and not in on_train_batch_start, which runs after the callbacks' (the rollout and its
+        # reward functions may draw from the global generators: a sampling judge, a verifier).
+        # (on_before_batch_transfer belongs to the DataModule: it counts consumed batches there.)
+        if self._resume_rng is not None and self._trainer is not None and self.trainer.training:
             set_global_rng_state(self._resume_rng)
             self._resume_rng = None
+        return batch
 
     def on_train_end(self) -> None:
         """Write the adapter in peft format next to the logs (what users serve or evaluate)."""

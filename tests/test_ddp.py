@@ -114,13 +114,32 @@ def test_ddp_a_non_finite_loss_on_one_rank_skips_the_update_on_all(tmp_path):
 
 def test_ddp_resume_matches_straight_run(tmp_path):
     """2 ranks: 2 steps, a checkpoint, ``--ckpt_path last`` for 2 more equals 4 steps straight (data
-    position, AQN step, optimizer and LoRA restored on both ranks; each rank's rollout seed comes
-    from (seed, step, rank), not from the restored global generator)."""
+    position, AQN step, optimizer and LoRA restored on both ranks, and with LoRA dropout each rank's
+    own global generators, which differ once the ranks have drawn different amounts)."""
+    reward_src = textwrap.dedent("""
+        import torch, torch.distributed as dist
+        from qerl.rewards import RewardFunction
+
+        class RankDrawsReward(RewardFunction):      # a reward that samples (a judge, a verifier...):
+            name = "draws"                          # rank 1's global generator moves ahead of rank 0's
+
+            def compute(self, completions, answers):
+                torch.rand(1 + 3 * (dist.get_rank() if dist.is_initialized() else 0))
+                return [float(i % 2) for i in range(len(completions))]
+    """)
+    for run in ("straight", "resumed"):
+        (tmp_path / run).mkdir()
+        (tmp_path / run / "rngreward.py").write_text(reward_src)
+
     def resumable(steps, run):
         def edit(cfg):
             cfg["trainer"]["max_steps"] = steps
             cfg["trainer"]["val_check_interval"] = 100        # no validation: only training differs
             cfg["model"]["optimizer"]["schedule"] = "constant"  # a cosine spans max_steps (2 vs 4)
+            cfg["model"]["lora"]["dropout"] = 0.2               # the ranks' global generators matter too
+            for cb in cfg["trainer"]["callbacks"]:
+                if cb["class_path"].endswith("RolloutCallback"):
+                    cb["init_args"]["reward"] = {"class_path": "rngreward.RankDrawsReward"}
             cfg["trainer"]["callbacks"].insert(0, {
                 "class_path": "lightning.pytorch.callbacks.ModelCheckpoint",
                 "init_args": {"dirpath": str(tmp_path / run / "ckpt"), "save_last": True, "every_n_train_steps": 1}})
