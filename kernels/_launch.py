@@ -86,6 +86,11 @@ def _wgmma(BN, BM, split=None, sm_warps=16):
     return Config("wgmma", BM, BN, 128, BN // 16, 1, split=split, sm_warps=sm_warps)
 
 
+def wgmma_params(cfg: Config) -> dict:
+    """The wgmma kernel's specialisation for ``cfg``: warpgroups, tokens per CTA, CTAs per SM."""
+    return dict(WG=cfg.BN // 64, TN=cfg.BM, SM_CTAS=max(1, cfg.sm_warps // (cfg.BN // 16)))
+
+
 # Candidates per M bucket; the first is the default used without tuning. "BN" is the weight-row
 # tile (output N for fwd, reduction N for bwd); "BK" the K tile (reduction for fwd, output for bwd).
 # M <= 8 forward: the CUDA kernel first (it won every Qwen 7B/32B shape on the H200, ~3.3 SASS
@@ -230,8 +235,7 @@ def _nvrtc_forward(a, qdata, scale, pts, out, cfg: Config):
             return nvfp4_skinny.forward(*common, R=cfg.BN // 16, WARPS=cfg.warps, split=cfg.split,
                                         SM_WARPS=cfg.sm_warps)
         if cfg.kind == "wgmma" and nvfp4_wgmma.supported(a, qdata, scale):
-            return nvfp4_wgmma.forward(*common, WG=cfg.BN // 64, TN=cfg.BM, split=cfg.split,
-                                       SM_CTAS=max(1, cfg.sm_warps // (cfg.BN // 16)))
+            return nvfp4_wgmma.forward(*common, split=cfg.split, **wgmma_params(cfg))
     except nvfp4_skinny.CompileError:      # warned once; Triton from now on
         pass
     return None

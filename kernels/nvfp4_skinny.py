@@ -376,6 +376,13 @@ def auto_split(tiles: int, WARPS: int, chunks: int, num_sms: int, waves: float =
     return max(1, min(split, chunks // (2 * WARPS), 32))
 
 
+def chunk_split(chunks: int, split: int) -> tuple[int, int]:
+    """(CTAs per K, chunks per CTA) for ``split`` requested CTAs: clamped to [1, chunks], and
+    trimmed so that no CTA gets an empty range."""
+    cps = -(-chunks // max(1, min(split, chunks)))
+    return -(-chunks // cps), cps
+
+
 def forward(x, qdata, scale_u8, pts, out, counters, num_sms: int, R: int = 1, WARPS: int = 8,
             split: int | None = None, SM_WARPS: int = 16):
     """out[M, N] = x[M, K] @ W^T * pts for bf16 x with M <= 16 (see ``supported``).
@@ -390,9 +397,7 @@ def forward(x, qdata, scale_u8, pts, out, counters, num_sms: int, R: int = 1, WA
     tiles, chunks = -(-N // (16 * R)), K // 128
     if split is None:
         split = auto_split(tiles, WARPS, chunks, num_sms)
-    split = max(1, min(split, chunks))
-    cps = -(-chunks // split)
-    split = -(-chunks // cps)
+    split, cps = chunk_split(chunks, split)
     if split > 1:
         ws = torch.empty(split * tiles * R * TT * 128, dtype=torch.float32, device=x.device)
         cnt = counters(tiles)

@@ -261,9 +261,7 @@ def forward(x, qdata, scale_u8, pts, out, counters, num_sms: int, WG: int = 2, T
     if split is None:
         want = 2 * num_sms
         split = max(1, min(-(-want // (tiles_n * tiles_m)), chunks // 4, 32))
-    split = max(1, min(split, chunks))
-    cps = -(-chunks // split)
-    split = -(-chunks // cps)
+    split, cps = S.chunk_split(chunks, split)
     if split > 1:
         ws = torch.empty(split * tiles_n * tiles_m * WG * 128 * (TN // 2), dtype=torch.float32, device=x.device)
         cnt = counters(tiles_n * tiles_m)

@@ -222,25 +222,31 @@ def _skinny_configs():   # (BN, warps, split): every knob, incl. forced cross-CT
     return [(16, 8, None), (32, 4, None), (16, 4, 1), (32, 8, 1), (16, 16, None), (32, 4, 3), (16, 4, 7)]
 
 
-def test_skinny_source_compiles_without_spills():
-    """Each specialisation of the NVRTC source assembles for sm_90 with nvcc (when present) and
-    keeps everything in registers (a spill would cost far more than the decode saves)."""
+def _ptxas_report(source: str, arch: str) -> str:
+    """``nvcc -cubin -Xptxas -v`` on a kernel source (skips without nvcc); ptxas' report."""
     import shutil
     import subprocess
     import tempfile
-    from kernels import nvfp4_skinny
     nvcc = shutil.which("nvcc")
     if nvcc is None:
         pytest.skip("nvcc not on PATH")
     with tempfile.TemporaryDirectory() as d:
-        for R, TT, W in [(1, 1, 8), (2, 1, 8), (1, 2, 8), (2, 1, 4), (1, 1, 16)]:
-            src = os.path.join(d, f"k{R}{TT}{W}.cu")
-            with open(src, "w") as f:
-                f.write(nvfp4_skinny.source(R, TT, W))
-            r = subprocess.run([nvcc, "-arch=sm_90", "-cubin", "-Xptxas", "-v", "-o", src + ".cubin", src],
-                               capture_output=True, text=True)
-            assert r.returncode == 0, r.stderr[-2000:]
-            assert "0 bytes spill stores" in r.stderr and "stack frame" in r.stderr, r.stderr
+        src = os.path.join(d, "k.cu")
+        with open(src, "w") as f:
+            f.write(source)
+        r = subprocess.run([nvcc, f"-arch={arch}", "-cubin", "-Xptxas", "-v", "-o", src + ".cubin", src],
+                           capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr[-2000:]
+    return r.stderr
+
+
+def test_skinny_source_compiles_without_spills():
+    """Each specialisation of the NVRTC source assembles for sm_90 with nvcc (when present) and
+    keeps everything in registers (a spill would cost far more than the decode saves)."""
+    from kernels import nvfp4_skinny
+    for R, TT, W in [(1, 1, 8), (2, 1, 8), (1, 2, 8), (2, 1, 4), (1, 1, 16)]:
+        report = _ptxas_report(nvfp4_skinny.source(R, TT, W), "sm_90")
+        assert "0 bytes spill stores" in report and "stack frame" in report, report
 
 
 def _wgmma_candidates():
@@ -251,23 +257,10 @@ def _wgmma_candidates():
 def test_wgmma_source_compiles_without_spills():
     """Every tuner candidate of the wgmma kernel assembles for sm_90a (wgmma is arch-specific) with
     nvcc (when present), in registers, with its accumulators, and its shared memory static."""
-    import shutil
-    import subprocess
-    import tempfile
-    from kernels import nvfp4_wgmma
-    nvcc = shutil.which("nvcc")
-    if nvcc is None:
-        pytest.skip("nvcc not on PATH")
-    with tempfile.TemporaryDirectory() as d:
-        for c in _wgmma_candidates():
-            WG, smc = c.BN // 64, max(1, c.sm_warps // (c.BN // 16))
-            src = os.path.join(d, f"w{WG}_{c.BM}_{smc}.cu")
-            with open(src, "w") as f:
-                f.write(nvfp4_wgmma.source(WG, c.BM, smc))
-            r = subprocess.run([nvcc, "-arch=sm_90a", "-cubin", "-Xptxas", "-v", "-o", src + ".cubin", src],
-                               capture_output=True, text=True)
-            assert r.returncode == 0, r.stderr[-2000:]
-            assert "0 bytes spill stores" in r.stderr and "serialized" not in r.stderr, r.stderr
+    from kernels import _launch as L, nvfp4_wgmma
+    for c in _wgmma_candidates():
+        report = _ptxas_report(nvfp4_wgmma.source(**L.wgmma_params(c)), "sm_90a")
+        assert "0 bytes spill stores" in report and "serialized" not in report, report
     with pytest.raises(ValueError, match="TN"):
         nvfp4_wgmma.source(2, 128)                                  # 64 KB of static shared memory
 
@@ -319,13 +312,19 @@ def test_gpu_skinny_forward(BN, WARPS, SPLIT):
     K from one chunk (fewer chunks than warps) to many, a strided activation, poisoned outputs."""
     from kernels import _launch as L, nvfp4_skinny
     assert nvfp4_skinny.available(), "torch.cuda._compile_kernel (NVRTC) missing"
-    cfg = L._cuda(BN, WARPS, SPLIT)
-    for M, N, K in [(1, 16, 128), (2, 40, 896), (8, 4608, 3584), (9, 100, 1024), (16, 3584, 18944),
-                    (5, 257, 3584)]:
+    _check_forward(L._cuda(BN, WARPS, SPLIT), nvfp4_skinny.supported,
+                   [(1, 16, 128), (2, 40, 896), (8, 4608, 3584), (9, 100, 1024), (16, 3584, 18944), (5, 257, 3584)])
+
+
+def _check_forward(cfg, supported, shapes):
+    """``cfg``'s forward against the fp64 reference for each (M, N, K): a strided activation (ldx =
+    K + 64) the kernel takes (``supported``), a NaN-poisoned output, bitwise-repeatable results."""
+    from kernels import _launch as L
+    for M, N, K in shapes:
         q, s, p = rand_weight(N, K, "cuda")
         W = ref_weight(q, s, p)
-        xs = torch.randn(M, K + 64, device="cuda", dtype=torch.bfloat16)[:, :K]      # ldx = K + 64
-        assert nvfp4_skinny.supported(xs, q, s)
+        xs = torch.randn(M, K + 64, device="cuda", dtype=torch.bfloat16)[:, :K]
+        assert supported(xs, q, s)
         y = torch.full((M, N), float("nan"), device="cuda", dtype=torch.bfloat16)
         L.linear_forward(xs, q, s, p, out=y, config=cfg)
         y2 = L.linear_forward(xs, q, s, p, config=cfg)
@@ -342,22 +341,11 @@ def test_gpu_wgmma_forward(cfg):
     """The wgmma kernel against the fp64 reference: M within one token tile and across several,
     N off the 64-row tiles, K from one chunk to a split one, a strided activation, poisoned outputs,
     deterministic (split-K sums in a fixed order)."""
-    from kernels import _launch as L, nvfp4_wgmma
+    from kernels import nvfp4_wgmma
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("wgmma needs sm_90")
-    for M, N, K in [(17, 64, 128), (40, 200, 384), (64, 4608, 3584), (100, 300, 768), (128, 3584, 18944),
-                    (33, 257, 1024)]:
-        q, s, p = rand_weight(N, K, "cuda")
-        W = ref_weight(q, s, p)
-        xs = torch.randn(M, K + 64, device="cuda", dtype=torch.bfloat16)[:, :K]      # ldx = K + 64
-        assert nvfp4_wgmma.supported(xs, q, s)
-        y = torch.full((M, N), float("nan"), device="cuda", dtype=torch.bfloat16)
-        L.linear_forward(xs, q, s, p, out=y, config=cfg)
-        y2 = L.linear_forward(xs, q, s, p, config=cfg)
-        torch.cuda.synchronize()
-        assert torch.equal(y, y2), "not deterministic"
-        err = rel_err(y, xs.double().cpu() @ W.t())
-        assert err <= 1e-2, f"{cfg.short()} M={M} N={N} K={K}: {err:.2e}"
+    _check_forward(cfg, nvfp4_wgmma.supported, [(17, 64, 128), (40, 200, 384), (64, 4608, 3584), (100, 300, 768),
+                                                (128, 3584, 18944), (33, 257, 1024)])
 
 
 @pytest.mark.gpu
