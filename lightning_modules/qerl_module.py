@@ -407,16 +407,20 @@ class QeRLModule(EvaluationMixin, L.LightningModule):
         """Keep only trainable parameters: the frozen base is rebuilt from ``model`` on resume. Also
         keep the global generators (LoRA dropout draws from them), restored at the next batch; under
         DDP every rank's (rank 0 writes the file, but the ranks' generators differ once they have
-        drawn different amounts; every rank runs this hook, so the gather pairs up)."""
+        drawn different amounts; every rank runs this hook, so the gather pairs up). And the
+        silent-failure streaks (decided over all ranks, so one copy fits every rank): a run resumed
+        in the middle of a failure still warns after ``warn_after_steps`` steps in all."""
         trainable = {n for n, p in self.named_parameters() if p.requires_grad}
         checkpoint["state_dict"] = {k: v for k, v in checkpoint["state_dict"].items() if k in trainable}
         checkpoint["qerl_rng"] = global_rng_state()
+        checkpoint["qerl_streaks"] = dict(self._streaks)
         if self._world_size() > 1:
             states = [None] * self._world_size()
             torch.distributed.all_gather_object(states, checkpoint["qerl_rng"])
             checkpoint["qerl_rng_per_rank"] = states
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
+        self._streaks.update(checkpoint.get("qerl_streaks", {}))
         per_rank, world = checkpoint.get("qerl_rng_per_rank"), self._world_size()
         if per_rank is not None and len(per_rank) == world:
             self._resume_rng = per_rank[self.global_rank]

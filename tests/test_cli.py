@@ -127,3 +127,21 @@ def test_silent_failures_warn(tmp_path, monkeypatch):
     text = " | ".join(str(w.message) for w in record)
     assert "reward std has been 0 in every group for 1 steps" in text, text
     assert "hit max_new_tokens for 1 steps" in text, text
+
+
+def test_silent_failure_streak_survives_resume(tmp_path, monkeypatch):
+    """2-token completions earn no reward anywhere (every group flat): 1 step, a checkpoint, then a
+    resumed second step must warn at warn_after_steps=2 (the streak counts the step before the
+    checkpoint too)."""
+    monkeypatch.chdir(tmp_path)
+    args = fast_args(tmp_path, 1, ["--model.warn_after_steps=2"])
+    cfg = yaml.safe_load(Path(args[1]).read_text())
+    rollout = next(cb for cb in cfg["trainer"]["callbacks"] if cb["class_path"].endswith("RolloutCallback"))
+    rollout["init_args"].update(overlong_buffer=0)
+    rollout["init_args"]["sampling"]["max_new_tokens"] = 2
+    Path(args[1]).write_text(yaml.safe_dump(cfg))
+    main(["fit", *args])
+    ckpt = torch.load(tmp_path / "ckpt" / "last.ckpt", weights_only=False)
+    assert ckpt["qerl_streaks"]["zero_std"] == 1
+    with pytest.warns(UserWarning, match="reward std has been 0 in every group for 2 steps"):
+        main(["fit", *args, "--trainer.max_steps=2", "--ckpt_path", "last"])
