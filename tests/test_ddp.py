@@ -112,10 +112,18 @@ def test_ddp_a_non_finite_loss_on_one_rank_skips_the_update_on_all(tmp_path):
     _ddp_two_ranks(tmp_path, "cpu", "fp32", edit=nan_reward, timeout=300)
 
 
-def test_ddp_resume_matches_straight_run(tmp_path):
+@pytest.mark.parametrize("accelerator, dtype", [
+    ("cpu", "fp32"),
+    pytest.param("gpu", "bf16", marks=[pytest.mark.gpu, pytest.mark.skipif(torch.cuda.device_count() < 2,
+                                                                            reason="needs 2 GPUs")])])
+def test_ddp_resume_matches_straight_run(tmp_path, monkeypatch, accelerator, dtype):
     """2 ranks: 2 steps, a checkpoint, ``--ckpt_path last`` for 2 more equals 4 steps straight (data
     position, AQN step, optimizer and LoRA restored on both ranks, and with LoRA dropout each rank's
-    own global generators, which differ once the ranks have drawn different amounts)."""
+    own global generators, which differ once the ranks have drawn different amounts; on GPUs the
+    dropout masks come from each rank's CUDA generator, over NCCL)."""
+    # the kernels' autotuner times candidates, and two runs may pick different ones (a different
+    # split-K summation order): a bit-exact comparison pins each bucket's default config
+    monkeypatch.setenv("QERL_KERNELS_AUTOTUNE", "0")
     reward_src = textwrap.dedent("""
         import torch, torch.distributed as dist
         from qerl.rewards import RewardFunction
@@ -144,11 +152,12 @@ def test_ddp_resume_matches_straight_run(tmp_path):
                 "class_path": "lightning.pytorch.callbacks.ModelCheckpoint",
                 "init_args": {"dirpath": str(tmp_path / run / "ckpt"), "save_last": True, "every_n_train_steps": 1}})
         return edit
-    straight = _ddp_fit(tmp_path / "straight", edit=resumable(4, "straight"))
-    _ddp_fit(tmp_path / "resumed", edit=resumable(2, "resumed"))
+    straight = _ddp_fit(tmp_path / "straight", accelerator, dtype, edit=resumable(4, "straight"))
+    _ddp_fit(tmp_path / "resumed", accelerator, dtype, edit=resumable(2, "resumed"))
     ckpt = torch.load(tmp_path / "resumed" / "ckpt" / "last.ckpt", map_location="cpu", weights_only=False)
     assert ckpt["global_step"] == 2
-    resumed = _ddp_fit(tmp_path / "resumed", edit=resumable(4, "resumed"), args=["--ckpt_path", "last"])
+    resumed = _ddp_fit(tmp_path / "resumed", accelerator, dtype, edit=resumable(4, "resumed"),
+                       args=["--ckpt_path", "last"])
     for r in (0, 1):
         a, b = straight[r], resumed[r]
         assert a.keys() == b.keys()
