@@ -1,12 +1,14 @@
 """Where one decode step of the embedded (hf) engine spends GPU time: kernel time per category.
 
-    python benchmarks/profile_hf_decode.py [--quantization nvfp4|bf16] [--batch 1] [--new 16]
+    python benchmarks/profile_hf_decode.py [--quantization nvfp4|bf16] [--batch 1] [--new 16] [--static]
 
 A Qwen2.5-7B-shaped model (random weights, LoRA r32 as in benchmarks/rollout_hf.py), B prompts of
-256 tokens, ``--new`` tokens decoded eagerly (dynamic cache) under torch.profiler; CUDA kernel time
-is grouped by name into categories and divided by the number of decoded tokens. Eager, so launch
-gaps are not counted (in the engine's CUDA-graph mode they mostly vanish), but the kernel time per
-category is what a graph replay also spends. Writes benchmarks/results/profile_hf_decode_h200.json.
+256 tokens, ``--new`` tokens decoded eagerly (dynamic cache; ``--static``: the static cache and 4-D
+masks of the engine's CUDA-graph mode, run eagerly, i.e. the kernels a graph replay runs) under
+torch.profiler; CUDA kernel time is grouped by name into categories and divided by the number of
+decoded tokens. Eager, so launch gaps are not counted, but the kernel time per category is what a
+graph replay also spends; the wall time per token of the engine's default (graph) mode, same batch,
+is printed next to it. Writes benchmarks/results/profile_hf_decode_h200.json.
 """
 
 import argparse
@@ -45,6 +47,7 @@ def main():
     ap.add_argument("--quantization", default="nvfp4")
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--new", type=int, default=16)
+    ap.add_argument("--static", action="store_true", help="profile the static-cache decoder (graph mode's kernels)")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
                                                   "profile_hf_decode_h200.json"))
     args = ap.parse_args()
@@ -56,6 +59,15 @@ def main():
     sampling = SamplingSettings(1.0, 1.0, 0, args.new)
     engine.generate(prompts, 1, sampling, seed=0)                      # warm-up: compile, tune
     torch.cuda.synchronize()
+    graph_engine = HFEngine(stop_token_ids=[-1], pad_token_id=0, max_batch_size=args.batch, cuda_graphs=True)
+    graph_engine.sync(model)
+    graph_engine.generate(prompts, 1, sampling, seed=0)
+    wall = graph_engine.generate(prompts, 1, sampling, seed=1).timings["generate"]
+    print(f"graph mode: {wall / args.new * 1e3:.2f} ms wall per decoded token (prefill included)")
+    if args.static:
+        engine.cuda_graphs = True                      # static cache + 4-D masks, but eager: no capture
+        _chunk = engine._generate_chunk
+        engine._generate_chunk = lambda p, s, g: _chunk(p, s, g, static=True)
     from torch.profiler import ProfilerActivity, profile
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         engine.generate(prompts, 1, sampling, seed=1)
@@ -82,6 +94,8 @@ def main():
         json.dump({"meta": {"device": torch.cuda.get_device_name(), "quantization": args.quantization,
                             "batch": args.batch, "new_tokens": args.new, "prompt_tokens": 256,
                             "command": "python benchmarks/profile_hf_decode.py " + " ".join(sys.argv[1:]),
+                            "decoder": "static cache (graph mode's kernels), eager" if args.static else "dynamic cache",
+                            "graph_mode_wall_ms_per_token": wall / args.new * 1e3,
                             "note": "eager decode, kernel time only (prefill included, divided by new tokens)"},
                    "rows": rows}, f, indent=1)
 

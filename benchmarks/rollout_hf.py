@@ -78,26 +78,37 @@ def main():
     ap.add_argument("--prompt", type=int, default=256)
     ap.add_argument("--new", type=int, default=256)
     ap.add_argument("--modes", default="graph,eager", help="graph: static cache + CUDA graph; eager: dynamic cache")
+    ap.add_argument("--attention", default="packed",
+                    help="packed: the engine's GQA decode attention; stock: transformers' sdpa path (A/B)")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "rollout_hf_h200.json"))
     args = ap.parse_args()
+    import contextlib
+
+    import qerl.rollout.hf as hf
+    packed = hf.packed_gqa_decode_attention
     device = "cuda" if torch.cuda.is_available() else "cpu"
     rows = []
     for quantization in ("bf16", "nvfp4"):
         model, vocab = build(args.shape, quantization, device)
         for mode in args.modes.split(","):
-            for b in [int(x) for x in args.batches.split(",")]:
-                tok_s = bench(model, vocab, b, args.prompt, args.new, device, cuda_graphs=mode == "graph")
-                rows.append({"quantization": quantization, "B": b, "lora": True, "decode": mode, "shape": args.shape,
-                             "prompt_tokens": args.prompt, "new_tokens": args.new, "tok_s": round(tok_s, 1)})
-                print(f"{quantization:6s} {mode:5s} B={b:3d}  {tok_s:9.1f} tok/s", flush=True)
+            for attention in args.attention.split(","):
+                hf.packed_gqa_decode_attention = packed if attention == "packed" else contextlib.nullcontext
+                for b in [int(x) for x in args.batches.split(",")]:
+                    tok_s = bench(model, vocab, b, args.prompt, args.new, device, cuda_graphs=mode == "graph")
+                    rows.append({"quantization": quantization, "B": b, "lora": True, "decode": mode,
+                                 "attention": attention, "shape": args.shape, "prompt_tokens": args.prompt,
+                                 "new_tokens": args.new, "tok_s": round(tok_s, 1)})
+                    print(f"{quantization:6s} {mode:5s} {attention:6s} B={b:3d}  {tok_s:9.1f} tok/s", flush=True)
+        hf.packed_gqa_decode_attention = packed
         del model
         torch.cuda.empty_cache() if device == "cuda" else None
-    by = {(r["quantization"], r["decode"], r["B"]): r["tok_s"] for r in rows}
-    print("\n| decode | B | bf16 tok/s | nvfp4 tok/s | nvfp4/bf16 |\n|---|---|---|---|---|")
+    by = {(r["quantization"], r["decode"], r["attention"], r["B"]): r["tok_s"] for r in rows}
+    print("\n| decode | attention | B | bf16 tok/s | nvfp4 tok/s | nvfp4/bf16 |\n|---|---|---|---|---|---|")
     for mode in args.modes.split(","):
-        for b in sorted({r["B"] for r in rows}):
-            bf, fp = by[("bf16", mode, b)], by[("nvfp4", mode, b)]
-            print(f"| {mode} | {b} | {bf:.1f} | {fp:.1f} | {fp / bf:.2f} |")
+        for attention in args.attention.split(","):
+            for b in sorted({r["B"] for r in rows}):
+                bf, fp = by[("bf16", mode, attention, b)], by[("nvfp4", mode, attention, b)]
+                print(f"| {mode} | {attention} | {b} | {bf:.1f} | {fp:.1f} | {fp / bf:.2f} |")
     meta = {"device": torch.cuda.get_device_name() if device == "cuda" else "cpu", "torch": torch.__version__,
             "command": "python benchmarks/rollout_hf.py " + " ".join(sys.argv[1:])}
     os.makedirs(os.path.dirname(args.out), exist_ok=True)

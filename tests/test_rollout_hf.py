@@ -9,7 +9,7 @@ import torch
 from qerl.aqn import attach_noisy_norms
 from qerl.model import LoraSettings, load_policy
 from qerl.rollout import SamplingSettings
-from qerl.rollout.hf import HFEngine, decode_mode, lean_lora_forward
+from qerl.rollout.hf import HFEngine, _packed_gqa_sdpa, decode_mode, lean_lora_forward, packed_gqa_decode_attention
 
 PROMPTS = [[5, 6, 7, 8, 9], [11, 12], [13, 14, 15], [20]]  # different lengths: left padding matters
 
@@ -161,6 +161,42 @@ def test_generation_keeps_the_adapters_gradient_accumulators():
     ids = torch.tensor([tok.encode("1 + 1 = 2")])
     model(input_ids=ids).logits.float().sum().backward()
     assert len(fired) == len(lora)
+
+
+@pytest.mark.parametrize("mask_kind", ["bool", "float", "none"])
+def test_packed_gqa_attention_equals_repeated_kv(mask_kind):
+    """One query token, 6 query heads on 2 K/V heads: the packed SDPA equals SDPA on K/V repeated per
+    query head (what transformers does with a mask), with a boolean, an additive or no mask."""
+    from types import SimpleNamespace
+    g = torch.Generator().manual_seed(0)
+    B, H, Hkv, L, D = 3, 6, 2, 9, 8
+    q, k, v = (torch.randn(B, h, t, D, generator=g) for h, t in ((H, 1), (Hkv, L), (Hkv, L)))
+    allowed = torch.rand(B, 1, 1, L, generator=g) > 0.3
+    allowed[..., -1] = True                                   # the query's own slot
+    mask = {"bool": allowed, "none": None,
+            "float": torch.zeros(B, 1, 1, L).masked_fill(~allowed, torch.finfo(torch.float32).min)}[mask_kind]
+    module = SimpleNamespace(num_key_value_groups=H // Hkv)
+    out, _ = _packed_gqa_sdpa(module, q, k, v, mask, scaling=0.3)
+    ref = torch.nn.functional.scaled_dot_product_attention(
+        q, k.repeat_interleave(H // Hkv, 1), v.repeat_interleave(H // Hkv, 1), attn_mask=mask, scale=0.3)
+    assert out.shape == (B, 1, H, D)
+    assert torch.allclose(out, ref.transpose(1, 2), atol=1e-6)
+
+
+def test_generation_runs_the_packed_gqa_attention_and_restores_the_stock_one():
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+    stock = ALL_ATTENTION_FUNCTIONS["sdpa"]
+    model, tok = _policy()
+    seen = []
+    attn = next(m for n, m in model.named_modules() if n.endswith("self_attn"))
+    attn.register_forward_pre_hook(lambda *_: seen.append(ALL_ATTENTION_FUNCTIONS["sdpa"]))
+    engine = HFEngine(stop_token_ids=[tok.eos_token_id], pad_token_id=tok.pad_token_id)
+    _generate(engine, model, SamplingSettings(temperature=1.0, max_new_tokens=4), 0, static=True)
+    assert seen and all(f is _packed_gqa_sdpa for f in seen)
+    assert ALL_ATTENTION_FUNCTIONS["sdpa"] is stock
+    with packed_gqa_decode_attention(), packed_gqa_decode_attention():   # nested: still restored
+        assert ALL_ATTENTION_FUNCTIONS["sdpa"] is _packed_gqa_sdpa
+    assert ALL_ATTENTION_FUNCTIONS["sdpa"] is stock
 
 
 def test_decode_mode():

@@ -169,6 +169,48 @@ def _abandon_capture(graph: torch.cuda.CUDAGraph, stream: torch.cuda.Stream) -> 
     del reset
 
 
+def _packed_gqa_sdpa(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None, **kwargs):
+    """SDPA for one query token under grouped-query attention without materialising K/V per query head.
+
+    transformers' sdpa path repeats every K/V head ``num_key_value_groups`` times whenever a mask is
+    given (older releases, e.g. 5.17, at every step): with the engine's static cache that is a copy
+    of the whole cache per layer and step (7B, batch 64, 512 slots: 2 x 117 MB per layer, ~8 ms of a
+    ~40 ms step on the H200, ``benchmarks/profile_hf_decode.py --static``). With one query token the
+    G query heads that share a K/V head can instead be G query *positions* of that head (the mask,
+    the same for all heads, broadcasts over them): the same softmax per head, no copy."""
+    groups = getattr(module, "num_key_value_groups", 1)
+    B, H, T, D = query.shape
+    shared_mask = attention_mask is None or (attention_mask.dim() == 4 and attention_mask.shape[1] == 1)
+    if (T != 1 or groups == 1 or not shared_mask or key.shape[1] * groups != H
+            or any(kwargs.get(k) is not None for k in ("position_bias", "softcap"))):
+        return _STOCK_SDPA(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
+    q = query.reshape(B, H // groups, groups, D)  # (B, Hkv, G, D): heads h*G .. h*G+G-1 read K/V head h
+    out = F.scaled_dot_product_attention(q, key, value, attn_mask=attention_mask, dropout_p=dropout, scale=scaling)
+    return out.reshape(B, H, 1, value.shape[-1]).transpose(1, 2).contiguous(), None  # (B, 1, H, Dv)
+
+
+_STOCK_SDPA = None
+
+
+@contextlib.contextmanager
+def packed_gqa_decode_attention():
+    """Within the block, the ``sdpa`` attention of every transformers model runs
+    ``_packed_gqa_sdpa`` for single-token steps (anything else: transformers' own function)."""
+    global _STOCK_SDPA
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    previous = ALL_ATTENTION_FUNCTIONS["sdpa"]
+    if previous is _packed_gqa_sdpa:  # already inside one
+        yield
+        return
+    _STOCK_SDPA = previous
+    ALL_ATTENTION_FUNCTIONS["sdpa"] = _packed_gqa_sdpa
+    try:
+        yield
+    finally:
+        ALL_ATTENTION_FUNCTIONS["sdpa"] = previous
+
+
 def check_adapter_dtype(value: str, what: str) -> None:
     """A clear error for an ``adapter_dtype`` other than ``model`` / ``stored``."""
     if value not in ADAPTER_DTYPES:
@@ -316,28 +358,29 @@ class HFEngine(RolloutEngine):
         logprobs = torch.empty(rows, 0, dtype=torch.float32, device=device)
         finished = torch.zeros(rows, dtype=torch.bool, device=device)
         lengths = torch.full((rows,), sampling.max_new_tokens, dtype=torch.long, device=device)
-        decoder = self._decoder(ids, mask, positions, sampling, static)
-        logits_bf = decoder.logits
-        for t in range(sampling.max_new_tokens):
-            logits = logits_bf.float()  # (B, V)
-            greedy = sampling.temperature <= 0
-            scaled = logits if greedy else logits / sampling.temperature
-            if greedy:
-                logp = F.log_softmax(scaled, dim=-1)
-                nxt = scaled.argmax(-1)
-            else:  # log-probs of the distribution sampled from: after top-k/top-p, renormalised (as vLLM's)
-                kept = filter_logits(scaled, sampling.top_k, sampling.top_p)
-                logp = F.log_softmax(kept, dim=-1)
-                nxt = torch.multinomial(kept.softmax(-1), 1, generator=gen).squeeze(-1)
-            nxt = torch.where(finished, torch.full_like(nxt, self.pad_token_id), nxt)
-            tokens = torch.cat([tokens, nxt[:, None]], 1)
-            logprobs = torch.cat([logprobs, logp.gather(-1, nxt[:, None])], 1)
-            just_stopped = ~finished & torch.isin(nxt, stop)
-            lengths = torch.where(just_stopped, torch.full_like(lengths, t + 1), lengths)
-            finished |= just_stopped
-            if bool(finished.all()) or t + 1 == sampling.max_new_tokens:
-                break
-            logits_bf = decoder.step(nxt)
+        with packed_gqa_decode_attention():
+            decoder = self._decoder(ids, mask, positions, sampling, static)
+            logits_bf = decoder.logits
+            for t in range(sampling.max_new_tokens):
+                logits = logits_bf.float()  # (B, V)
+                greedy = sampling.temperature <= 0
+                scaled = logits if greedy else logits / sampling.temperature
+                if greedy:
+                    logp = F.log_softmax(scaled, dim=-1)
+                    nxt = scaled.argmax(-1)
+                else:  # log-probs of the distribution sampled from: after top-k/top-p, renormalised (as vLLM's)
+                    kept = filter_logits(scaled, sampling.top_k, sampling.top_p)
+                    logp = F.log_softmax(kept, dim=-1)
+                    nxt = torch.multinomial(kept.softmax(-1), 1, generator=gen).squeeze(-1)
+                nxt = torch.where(finished, torch.full_like(nxt, self.pad_token_id), nxt)
+                tokens = torch.cat([tokens, nxt[:, None]], 1)
+                logprobs = torch.cat([logprobs, logp.gather(-1, nxt[:, None])], 1)
+                just_stopped = ~finished & torch.isin(nxt, stop)
+                lengths = torch.where(just_stopped, torch.full_like(lengths, t + 1), lengths)
+                finished |= just_stopped
+                if bool(finished.all()) or t + 1 == sampling.max_new_tokens:
+                    break
+                logits_bf = decoder.step(nxt)
         result = Generation([], [], [])
         for i in range(rows):
             n_tok = int(lengths[i])
