@@ -55,8 +55,10 @@ def build(shape: str, quantization: str, device: str):
     return model.eval(), config.vocab_size
 
 
-def bench(model, vocab: int, batch: int, prompt: int, new: int, device: str, cuda_graphs: bool) -> float:
-    engine = HFEngine(stop_token_ids=[-1], pad_token_id=0, max_batch_size=batch, cuda_graphs=cuda_graphs)
+def bench(model, vocab: int, batch: int, prompt: int, new: int, device: str, cuda_graphs: bool,
+          fused_ops: bool = True) -> float:
+    engine = HFEngine(stop_token_ids=[-1], pad_token_id=0, max_batch_size=batch, cuda_graphs=cuda_graphs,
+                      fused_ops=fused_ops)
     engine.sync(model)
     g = torch.Generator().manual_seed(batch)
     prompts = torch.randint(1, vocab, (batch, prompt), generator=g).tolist()
@@ -78,8 +80,9 @@ def main():
     ap.add_argument("--prompt", type=int, default=256)
     ap.add_argument("--new", type=int, default=256)
     ap.add_argument("--modes", default="graph,eager", help="graph: static cache + CUDA graph; eager: dynamic cache")
-    ap.add_argument("--attention", default="packed",
-                    help="packed: the engine's GQA decode attention; stock: transformers' sdpa path (A/B)")
+    ap.add_argument("--variants", default="default",
+                    help="A/B of the engine: default; no_fused_ops (fused_ops=False); baseline (also "
+                         "transformers' own sdpa GQA path: the engine before 2026-11-30 17:00)")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "rollout_hf_h200.json"))
     args = ap.parse_args()
     import contextlib
@@ -91,24 +94,25 @@ def main():
     for quantization in ("bf16", "nvfp4"):
         model, vocab = build(args.shape, quantization, device)
         for mode in args.modes.split(","):
-            for attention in args.attention.split(","):
-                hf.packed_gqa_decode_attention = packed if attention == "packed" else contextlib.nullcontext
+            for variant in args.variants.split(","):
+                hf.packed_gqa_decode_attention = contextlib.nullcontext if variant == "baseline" else packed
                 for b in [int(x) for x in args.batches.split(",")]:
-                    tok_s = bench(model, vocab, b, args.prompt, args.new, device, cuda_graphs=mode == "graph")
+                    tok_s = bench(model, vocab, b, args.prompt, args.new, device, cuda_graphs=mode == "graph",
+                                  fused_ops=variant == "default")
                     rows.append({"quantization": quantization, "B": b, "lora": True, "decode": mode,
-                                 "attention": attention, "shape": args.shape, "prompt_tokens": args.prompt,
+                                 "engine": variant, "shape": args.shape, "prompt_tokens": args.prompt,
                                  "new_tokens": args.new, "tok_s": round(tok_s, 1)})
-                    print(f"{quantization:6s} {mode:5s} {attention:6s} B={b:3d}  {tok_s:9.1f} tok/s", flush=True)
+                    print(f"{quantization:6s} {mode:5s} {variant:12s} B={b:3d}  {tok_s:9.1f} tok/s", flush=True)
         hf.packed_gqa_decode_attention = packed
         del model
         torch.cuda.empty_cache() if device == "cuda" else None
-    by = {(r["quantization"], r["decode"], r["attention"], r["B"]): r["tok_s"] for r in rows}
-    print("\n| decode | attention | B | bf16 tok/s | nvfp4 tok/s | nvfp4/bf16 |\n|---|---|---|---|---|---|")
+    by = {(r["quantization"], r["decode"], r["engine"], r["B"]): r["tok_s"] for r in rows}
+    print("\n| decode | engine | B | bf16 tok/s | nvfp4 tok/s | nvfp4/bf16 |\n|---|---|---|---|---|---|")
     for mode in args.modes.split(","):
-        for attention in args.attention.split(","):
+        for variant in args.variants.split(","):
             for b in sorted({r["B"] for r in rows}):
-                bf, fp = by[("bf16", mode, attention, b)], by[("nvfp4", mode, attention, b)]
-                print(f"| {mode} | {attention} | {b} | {bf:.1f} | {fp:.1f} | {fp / bf:.2f} |")
+                bf, fp = by[("bf16", mode, variant, b)], by[("nvfp4", mode, variant, b)]
+                print(f"| {mode} | {variant} | {b} | {bf:.1f} | {fp:.1f} | {fp / bf:.2f} |")
     meta = {"device": torch.cuda.get_device_name() if device == "cuda" else "cpu", "torch": torch.__version__,
             "command": "python benchmarks/rollout_hf.py " + " ".join(sys.argv[1:])}
     os.makedirs(os.path.dirname(args.out), exist_ok=True)

@@ -58,6 +58,8 @@ class RolloutCallback(L.Callback):
         hf_adapter_dtype: hf engine: ``model`` runs the LoRA adapters in the model's dtype while
             generating (as vLLM does; much faster on a bf16 model); ``stored`` in their trained
             dtype (fp32), so the sampler's log-probs equal the trainer's (see ``qerl.rollout.hf.HFEngine``).
+        hf_fused_ops: hf engine on CUDA: RMSNorm, rotary embedding and SiLU-mul as one Triton kernel
+            each while generating (``qerl.rollout.fused_ops``); false = transformers' eager ops.
         dynamic_sampling: DAPO: drop groups whose rewards (before overlong shaping) are all equal and
             refill from fresh prompts.
         max_refill_rounds: at most this many extra generation rounds per step for dynamic sampling.
@@ -79,6 +81,7 @@ class RolloutCallback(L.Callback):
         max_batch_size: int = 64,
         cuda_graphs: bool = True,
         hf_adapter_dtype: Literal["model", "stored"] = "model",
+        hf_fused_ops: bool = True,
         dynamic_sampling: bool = False,
         max_refill_rounds: int = 2,
         overlong_buffer: int = 0,
@@ -102,6 +105,7 @@ class RolloutCallback(L.Callback):
         self.cuda_graphs = cuda_graphs
         check_adapter_dtype(hf_adapter_dtype, "RolloutCallback: hf_adapter_dtype")   # at config time
         self.hf_adapter_dtype = hf_adapter_dtype
+        self.hf_fused_ops = hf_fused_ops
         self.dynamic_sampling = dynamic_sampling
         self.max_refill_rounds = max_refill_rounds
         self.overlong_buffer = overlong_buffer
@@ -115,7 +119,8 @@ class RolloutCallback(L.Callback):
     def make_engine(self, pl_module) -> RolloutEngine:
         tok = pl_module.tokenizer
         if self.engine_name == "hf":
-            return HFEngine.for_model(pl_module.model, tok, self.max_batch_size, self.cuda_graphs, self.hf_adapter_dtype)
+            return HFEngine.for_model(pl_module.model, tok, self.max_batch_size, self.cuda_graphs, self.hf_adapter_dtype,
+                                      self.hf_fused_ops)
         if self.engine_name == "vllm":
             from qerl.rollout.vllm import VLLMEngine
 

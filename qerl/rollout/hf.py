@@ -211,6 +211,12 @@ def packed_gqa_decode_attention():
         ALL_ATTENTION_FUNCTIONS["sdpa"] = previous
 
 
+def _fused_ops(model: torch.nn.Module):
+    from qerl.rollout.fused_ops import fused_decode_ops  # Triton: imported only where it runs
+
+    return fused_decode_ops(model)
+
+
 def check_adapter_dtype(value: str, what: str) -> None:
     """A clear error for an ``adapter_dtype`` other than ``model`` / ``stored``."""
     if value not in ADAPTER_DTYPES:
@@ -286,25 +292,30 @@ class HFEngine(RolloutEngine):
             decode step's kernel time at batch 1, ``benchmarks/profile_hf_decode.py``). ``stored`` makes the sampler's log-probs equal the
             trainer's up to kernel rounding; ``model`` leaves a bf16-sized gap that the trainer's
             importance-sampling correction sees (``train/is_ratio``).
+        fused_ops: on CUDA, while generating, RMSNorm (with AQN noise), the rotary embedding and
+            SiLU(gate) * up run as one Triton kernel each (``qerl.rollout.fused_ops``; the rotary
+            embedding bit-identical to transformers', the others up to rare 1-ulp differences).
     """
 
     def __init__(self, stop_token_ids: list[int], pad_token_id: int, max_batch_size: int = 64,
-                 cuda_graphs: bool = True, adapter_dtype: Literal["model", "stored"] = "model"):
+                 cuda_graphs: bool = True, adapter_dtype: Literal["model", "stored"] = "model",
+                 fused_ops: bool = True):
         check_adapter_dtype(adapter_dtype, "HFEngine: adapter_dtype")
         self.stop_token_ids = sorted(set(stop_token_ids))
         self.pad_token_id = pad_token_id
         self.max_batch_size = max_batch_size
         self.cuda_graphs = cuda_graphs
         self.adapter_dtype = adapter_dtype
+        self.fused_ops = fused_ops
         self.model: torch.nn.Module | None = None
         self.adapter = True
 
     @classmethod
     def for_model(cls, model: torch.nn.Module, tokenizer, max_batch_size: int = 64, cuda_graphs: bool = True,
-                  adapter_dtype: Literal["model", "stored"] = "model") -> "HFEngine":
+                  adapter_dtype: Literal["model", "stored"] = "model", fused_ops: bool = True) -> "HFEngine":
         """The engine for a policy and its tokenizer: stops at the model's end-of-turn / EOS tokens."""
         return cls(stop_token_ids(tokenizer, model), tokenizer.pad_token_id, max_batch_size,
-                   cuda_graphs=cuda_graphs, adapter_dtype=adapter_dtype)
+                   cuda_graphs=cuda_graphs, adapter_dtype=adapter_dtype, fused_ops=fused_ops)
 
     def sync(self, model: torch.nn.Module, norm_scales: dict[str, torch.Tensor] | None = None,
              adapter: bool = True) -> None:
@@ -327,8 +338,9 @@ class HFEngine(RolloutEngine):
         adapter_off = self.model.disable_adapter() if not self.adapter else contextlib.nullcontext()
         cast = (lean_lora_forward(self.model, self.model.get_input_embeddings().weight.dtype)
                 if self.adapter and self.adapter_dtype == "model" else contextlib.nullcontext())
+        fused = _fused_ops(self.model) if self.fused_ops and device.type == "cuda" else contextlib.nullcontext()
         try:
-            with adapter_off, cast:
+            with adapter_off, cast, fused:
                 for lo in range(0, len(repeated), self.max_batch_size):
                     chunk = self._generate_chunk(repeated[lo: lo + self.max_batch_size], sampling, gen)
                     out.completion_ids += chunk.completion_ids

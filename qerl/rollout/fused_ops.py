@@ -1,0 +1,213 @@
+"""Fused Triton kernels for the embedded engine's generation: RMSNorm (AQN noise included), the
+rotary embedding of q and k, and SiLU(gate) * up -- one kernel each where PyTorch's eager ops take
+2-10.
+
+Why: a decode step of a 7B model at batch 64 ran ~30 small eager kernels per layer around the
+linears (norms ~6, rotary ~10, SiLU-mul 2, ...): ~4.7 of ~14 ms of kernels per token on the H200
+(``benchmarks/profile_hf_decode.py --batch 64 --static``). ``fused_decode_ops`` swaps them in
+while generating only; training and the reference pass keep transformers' code.
+
+Numerics: each kernel rounds where the eager ops round (to the activation dtype after ``q * cos``,
+after ``rotate_half(q) * sin``, after the sum; after SiLU, after the product; the normalised input
+before ``weight * h``), and is compiled without FMA contraction (with it, ``q * cos + r`` of bf16
+inputs becomes one ``fma.rn.bf16``: a different rounding in ~20% of the elements, seen on the
+H200), so the rotary embedding is bit-identical and the other two differ only where the fp32
+mean / rsqrt / exp of Triton and PyTorch differ in the last bit (a rare 1-ulp bf16 flip). Anything unrecognised (other norm formulas, partial rotary, other activations, unusual
+strides) keeps its own forward.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+
+import torch
+import triton
+import triton.language as tl
+
+from qerl.noisy_norms import _eps, _rmsnorm
+
+MLP_CLASSES = ("Qwen2MLP", "Qwen3MLP", "LlamaMLP", "MistralMLP")
+
+
+@triton.jit
+def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, D, stride_x, stride_o, eps, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    m = cols < D
+    x = tl.load(x_ptr + row * stride_x + cols, mask=m, other=0.0).to(tl.float32)
+    var = tl.sum(x * x, axis=0) / D
+    h = (x * tl.rsqrt(var + eps)).to(x_ptr.dtype.element_ty).to(tl.float32)   # HF: h.to(input_dtype)
+    w = tl.load(w_ptr + cols, mask=m, other=0.0).to(tl.float32)
+    tl.store(out_ptr + row * stride_o + cols, (w * h).to(out_ptr.dtype.element_ty), mask=m)
+
+
+@triton.jit
+def _rotary_kernel(x_ptr, cos_ptr, sin_ptr, out_ptr, H, T, D, sxb, sxh, sxt, sob, soh, sot, scb, sct,
+                   BLOCK: tl.constexpr):
+    pid = tl.program_id(0).to(tl.int64)                 # one (batch, head, position) row of D
+    b, h, t = pid // (H * T), (pid // T) % H, pid % T
+    d = tl.arange(0, BLOCK)
+    m = d < D
+    half = D // 2
+    x_row = x_ptr + b * sxb + h * sxh + t * sxt
+    x = tl.load(x_row + d, mask=m, other=0.0).to(tl.float32)
+    partner = tl.load(x_row + tl.where(d < half, d + half, d - half), mask=m, other=0.0).to(tl.float32)
+    rot = tl.where(d < half, -partner, partner)         # rotate_half: cat(-x2, x1)
+    c = tl.load(cos_ptr + b * scb + t * sct + d, mask=m, other=0.0).to(tl.float32)
+    s = tl.load(sin_ptr + b * scb + t * sct + d, mask=m, other=0.0).to(tl.float32)
+    dt = out_ptr.dtype.element_ty
+    out = (x * c).to(dt).to(tl.float32) + (rot * s).to(dt).to(tl.float32)
+    tl.store(out_ptr + b * sob + h * soh + t * sot + d, out.to(dt), mask=m)
+
+
+@triton.jit
+def _silu_mul_kernel(g_ptr, u_ptr, out_ptr, n, BLOCK: tl.constexpr):
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    m = offs < n
+    g = tl.load(g_ptr + offs, mask=m, other=0.0).to(tl.float32)
+    u = tl.load(u_ptr + offs, mask=m, other=0.0).to(tl.float32)
+    dt = out_ptr.dtype.element_ty
+    act = (g / (1.0 + tl.exp(-g))).to(dt).to(tl.float32)
+    tl.store(out_ptr + offs, (act * u).to(dt), mask=m)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, out_dtype: torch.dtype) -> torch.Tensor:
+    """``(weight * (x * rsqrt(mean(x^2) + eps)).to(x.dtype)).to(out_dtype)`` over the last dim, with
+    the product in fp32 (``weight`` may be the fp32 noisy scale)."""
+    D = x.shape[-1]
+    rows = x.reshape(-1, D)                                   # a view for the usual contiguous input
+    out = torch.empty(rows.shape, dtype=out_dtype, device=x.device)
+    _rms_norm_kernel[(rows.shape[0],)](rows, weight, out, D, rows.stride(0), out.stride(0), eps,
+                                       BLOCK=triton.next_power_of_2(D), enable_fp_fusion=False)
+    return out.view(x.shape)
+
+
+def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """``x * cos + rotate_half(x) * sin`` for x (B, H, T, D) and cos / sin (B or 1, T, D)."""
+    B, H, T, D = x.shape
+    out = torch.empty_like(x)
+    scb = cos.stride(0) if cos.shape[0] > 1 else 0
+    _rotary_kernel[(B * H * T,)](x, cos, sin, out, H, T, D, *x.stride()[:3], *out.stride()[:3], scb, cos.stride(1),
+                                 BLOCK=triton.next_power_of_2(D), enable_fp_fusion=False)
+    return out
+
+
+def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    out = torch.empty_like(gate)
+    n = gate.numel()
+    _silu_mul_kernel[(triton.cdiv(n, 1024),)](gate, up, out, n, BLOCK=1024, enable_fp_fusion=False)
+    return out
+
+
+# ------------------------------------------------------------------------------------ patching
+def _runs_on(t: torch.Tensor) -> bool:
+    """CUDA tensors; CPU ones too under Triton's interpreter (``TRITON_INTERPRET=1``: the CPU tests)."""
+    return t.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def _rotary_applies(q, k, cos, sin) -> bool:
+    return (q.dim() == 4 and k.dim() == 4 and cos.dim() == 3 and cos.shape == sin.shape and cos.stride() == sin.stride()
+            and q.shape[-1] == k.shape[-1] == cos.shape[-1] and q.shape[-1] % 2 == 0 and q.shape[2] == cos.shape[1]
+            and cos.shape[0] in (1, q.shape[0]) and q.shape[0] == k.shape[0] and q.shape[2] == k.shape[2]
+            and q.dtype == k.dtype == cos.dtype == sin.dtype and _runs_on(q)
+            and q.stride(-1) == k.stride(-1) == cos.stride(-1) == 1)
+
+
+def _fused_rotary(original):
+    def apply_rotary_pos_emb(q, k, cos, sin, *args, **kwargs):
+        unsqueeze_dim = kwargs.pop("unsqueeze_dim", args[0] if len(args) == 1 else 1)
+        if unsqueeze_dim != 1 or kwargs or len(args) > 1 or not _rotary_applies(q, k, cos, sin):
+            return original(q, k, cos, sin, *args, **kwargs)
+        return rotary(q, cos, sin), rotary(k, cos, sin)
+    return apply_rotary_pos_emb
+
+
+def _norm_forward(module):
+    def forward(hidden_states, *args, **kwargs):
+        if args or kwargs or hidden_states.stride(-1) != 1 or not _runs_on(hidden_states):
+            unfused = module._qerl_unfused or type(module).forward.__get__(module)
+            return unfused(hidden_states, *args, **kwargs)
+        return rms_norm(hidden_states, module._qerl_scale, module._qerl_eps,
+                        torch.promote_types(module.weight.dtype, hidden_states.dtype))
+    return forward
+
+
+def _mlp_forward(module):
+    def forward(x):
+        gate, up = module.gate_proj(x), module.up_proj(x)
+        if gate.shape != up.shape or gate.dtype != up.dtype or not (gate.is_contiguous() and up.is_contiguous()):
+            return module.down_proj(module.act_fn(gate) * up)
+        return module.down_proj(silu_mul(gate, up))
+    return forward
+
+
+def _is_rms_norm(module) -> bool:
+    """A norm that computes weight * x * rsqrt(mean(x^2) + eps): the ones AQN wraps (checked there)
+    and, checked here once on a random input, other ``*RMSNorm`` classes (Gemma's 1 + weight fails)."""
+    if hasattr(module, "aqn_eps"):
+        return True
+    if not type(module).__name__.endswith("RMSNorm"):
+        return False
+    verdict = getattr(module, "_qerl_is_rms_norm", None)
+    if verdict is None:
+        weight, eps = getattr(module, "weight", None), _eps(module)
+        verdict = (isinstance(weight, torch.Tensor)
+                   and weight.dim() == 1 and eps is not None and getattr(module, "bias", None) is None)
+        if verdict:
+            module.aqn_eps = eps                                  # what _rmsnorm reads
+            x = torch.randn(3, weight.shape[0], generator=torch.Generator().manual_seed(0)).to(weight)
+            with torch.no_grad():
+                verdict = torch.allclose(module(x).float(), _rmsnorm(module, x, torch.zeros_like(weight, dtype=torch.float32)).float(),
+                                         rtol=1e-2, atol=1e-2)
+            del module.aqn_eps
+        module._qerl_is_rms_norm = verdict
+    return verdict
+
+
+@contextlib.contextmanager
+def fused_decode_ops(model: torch.nn.Module):
+    """Within the block, the model's RMSNorms (with their AQN noise, fixed for the block), its
+    rotary embedding and its SiLU MLP run the fused kernels (CUDA only; a no-op elsewhere, except
+    under Triton's interpreter). Yields
+    the number of norms and MLPs patched and whether the rotary embedding was."""
+    if not _runs_on(next(model.parameters())):
+        yield (0, 0, False)
+        return
+    norms, mlps, rotaries = [], [], []
+    try:
+        with torch.no_grad():
+            for module in model.modules():
+                if "forward" in vars(module) and not hasattr(module, "aqn_eps"):
+                    continue                               # someone else's instance forward: leave it
+                if _is_rms_norm(module):
+                    noisy = getattr(module, "aqn_active", False)
+                    module._qerl_scale = (module.weight.float() + module.aqn_noise) if noisy else module.weight.detach()
+                    module._qerl_eps = getattr(module, "aqn_eps", None) or _eps(module)
+                    module._qerl_unfused = module.__dict__.get("forward")     # AQN's wrapper, or None
+                    module.forward = _norm_forward(module)
+                    norms.append(module)
+                elif (type(module).__name__ in MLP_CLASSES and type(getattr(module, "act_fn", None)).__name__
+                      in ("SiLUActivation", "SiLU") and all(hasattr(module, p) for p in ("gate_proj", "up_proj", "down_proj"))):
+                    module.forward = _mlp_forward(module)
+                    mlps.append(module)
+        for name in {type(m).__module__ for m in model.modules()}:
+            mod = sys.modules.get(name)
+            original = getattr(mod, "apply_rotary_pos_emb", None)
+            if callable(original) and hasattr(mod, "rotate_half"):
+                mod.apply_rotary_pos_emb = _fused_rotary(original)
+                rotaries.append((mod, original))
+        yield (len(norms), len(mlps), bool(rotaries))
+    finally:
+        for module in norms:
+            if module._qerl_unfused is None:
+                del module.forward                         # back to the class forward
+            else:
+                module.forward = module._qerl_unfused      # the instance forward it had (AQN's wrapper)
+            del module._qerl_unfused, module._qerl_scale, module._qerl_eps
+        for module in mlps:
+            del module.forward
+        for mod, original in rotaries:
+            mod.apply_rotary_pos_emb = original
+

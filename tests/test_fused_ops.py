@@ -1,0 +1,149 @@
+"""The embedded engine's fused kernels (``qerl.rollout.fused_ops``): RMSNorm with AQN noise, rotary
+embedding, SiLU-mul. CPU: through Triton's interpreter (fp32, in a subprocess: the interpreter is
+chosen when Triton is imported), kernels against transformers' ops and a generation with and
+without them. GPU: bf16 against the eager ops, and the engine's output with and without them."""
+
+import importlib.util
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CUDA = torch.cuda.is_available()
+
+_COMMON = textwrap.dedent("""
+    import torch
+    from transformers.models.qwen2 import modeling_qwen2 as M
+    from qerl.rollout.fused_ops import rms_norm, rotary, silu_mul
+
+    def check_kernels(device, dtype, exact):
+        g = torch.Generator().manual_seed(0)
+        rnd = lambda *s: torch.randn(*s, generator=g).to(device, dtype)
+        # rotary: q as the attention makes it, (B, T, H, D) viewed as (B, H, T, D); cos / sin (B, T, D)
+        q, k = rnd(3, 5, 4, 16).transpose(1, 2), rnd(3, 5, 2, 16).transpose(1, 2)
+        cos, sin = rnd(3, 5, 16), rnd(3, 5, 16)
+        ref_q, ref_k = M.apply_rotary_pos_emb(q, k, cos, sin)
+        assert torch.equal(rotary(q, cos, sin), ref_q) and torch.equal(rotary(k, cos, sin), ref_k)
+        assert torch.equal(rotary(q, cos[:1], sin[:1]), M.apply_rotary_pos_emb(q, k, cos[:1], sin[:1])[0])
+        # RMSNorm, plain (weight in the model dtype) and noisy (fp32 scale); D not a power of two
+        norm = M.Qwen2RMSNorm(48, eps=1e-6).to(device, dtype)
+        with torch.no_grad():
+            norm.weight.copy_(rnd(48))
+        x = rnd(7, 48) * 3
+        out = rms_norm(x, norm.weight, 1e-6, dtype)
+        with torch.no_grad():
+            ref = norm(x)
+        h = (x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + 1e-6)).to(dtype).float()
+        noise = torch.randn(48, generator=g).to(device) * 0.01
+        noisy, noisy_ref = rms_norm(x, norm.weight.float() + noise, 1e-6, dtype), (h * (norm.weight.float() + noise)).to(dtype)
+        # SiLU(gate) * up
+        gate, up = rnd(6, 40), rnd(6, 40)
+        act = silu_mul(gate, up)
+        act_ref = torch.nn.functional.silu(gate) * up
+        tol = dict(atol=1e-6, rtol=1e-5) if exact else dict(atol=0, rtol=2 ** -7)   # bf16: 1 ulp
+        for a, b in ((out, ref), (noisy, noisy_ref), (act, act_ref)):
+            assert a.dtype == b.dtype and torch.allclose(a.float(), b.float(), **tol), (a - b).abs().max()
+""")
+
+_INTERP_SCRIPT = _COMMON + textwrap.dedent("""
+    import sys
+    sys.path.insert(0, {root!r})
+    from qerl.aqn import attach_noisy_norms
+    from qerl.model import LoraSettings, load_policy
+    from qerl.noisy_norms import _NoisyForward
+    from qerl.rollout import SamplingSettings
+    from qerl.rollout.fused_ops import fused_decode_ops
+    from qerl.rollout.hf import HFEngine
+
+    check_kernels("cpu", torch.float32, exact=True)
+    model, tok = load_policy("tiny-qwen2", "nvfp4", LoraSettings(rank=4), dtype="fp32", device="cpu")
+    norms = attach_noisy_norms(model)
+    norms.set_noise(0.05, seed=0, step=1)               # AQN on: the fused norms carry the noise
+    model.eval()
+    engine = HFEngine(stop_token_ids=[tok.eos_token_id], pad_token_id=tok.pad_token_id)
+    engine.sync(model)
+    prompts = [[5, 6, 7, 8, 9], [11, 12], [20]]
+    original_rotary = M.apply_rotary_pos_emb
+    for sampling in (SamplingSettings(temperature=0.0, max_new_tokens=6), SamplingSettings(temperature=1.0, max_new_tokens=6)):
+        runs = []
+        for fused in (False, True):
+            ctx = fused_decode_ops(model) if fused else __import__("contextlib").nullcontext((0, 0, False))
+            with torch.no_grad(), ctx as patched:
+                gen = torch.Generator().manual_seed(1)
+                runs.append(engine._generate_chunk(prompts, sampling, gen, static=True))
+                if fused:
+                    assert patched == (5, 2, True), patched          # 2 layers x 2 norms + final, 2 MLPs
+                    assert M.apply_rotary_pos_emb is not original_rotary
+        plain, fused = runs
+        assert plain.completion_ids == fused.completion_ids, (plain.completion_ids, fused.completion_ids)
+        for a, b in zip(plain.sampler_logprobs, fused.sampler_logprobs):
+            assert torch.allclose(torch.tensor(a), torch.tensor(b), atol=1e-5), (a, b)
+    assert M.apply_rotary_pos_emb is original_rotary
+    layer = model.base_model.model.model.layers[0]
+    assert isinstance(layer.input_layernorm.forward, _NoisyForward)      # AQN's wrapper is back
+    assert "forward" not in vars(layer.mlp) and not hasattr(layer.input_layernorm, "_qerl_scale")
+    print("FUSED_OK")
+""")
+
+
+def _interp_ready():
+    if importlib.util.find_spec("triton") is None:
+        return False
+    import numpy
+    return tuple(int(v) for v in numpy.__version__.split(".")[:2]) < (2, 4)
+
+
+@pytest.mark.skipif(not _interp_ready(), reason="needs triton and numpy<2.4 for the CPU interpreter")
+def test_fused_ops_in_triton_interpreter():
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=ROOT)
+    r = subprocess.run([sys.executable, "-c", _INTERP_SCRIPT.format(root=ROOT)], capture_output=True, text=True,
+                       timeout=600, env=env, cwd=ROOT)
+    assert r.returncode == 0 and "FUSED_OK" in r.stdout, r.stdout[-2000:] + r.stderr[-4000:]
+
+
+def test_fused_ops_are_off_on_cpu_without_the_interpreter():
+    from qerl.rollout.hf import HFEngine
+    assert HFEngine(stop_token_ids=[0], pad_token_id=0).fused_ops is True      # the default; CUDA only
+    if importlib.util.find_spec("triton") is not None and os.environ.get("TRITON_INTERPRET") != "1":
+        from qerl.rollout.fused_ops import fused_decode_ops
+        with fused_decode_ops(torch.nn.Linear(2, 2)) as patched:
+            assert patched == (0, 0, False)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs CUDA")
+def test_gpu_fused_kernels_bf16():
+    scope = {}
+    exec(_COMMON, scope)
+    scope["check_kernels"]("cuda", torch.bfloat16, exact=False)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs CUDA")
+def test_gpu_engine_with_and_without_fused_ops():
+    """bf16 NVFP4 policy with AQN on the GPU, CUDA-graph decoding: the fused engine samples what the
+    unfused one samples (greedy tokens equal, sampled log-probs within bf16 rounding)."""
+    from qerl.aqn import attach_noisy_norms
+    from qerl.model import LoraSettings, load_policy
+    from qerl.rollout import SamplingSettings
+    from qerl.rollout.hf import HFEngine
+
+    model, tok = load_policy("tiny-qwen2", "nvfp4", LoraSettings(rank=4), dtype="bf16", device="cuda")
+    attach_noisy_norms(model).set_noise(0.05, seed=0, step=1)
+    prompts = [[5, 6, 7, 8, 9], [11, 12], [13, 14, 15], [20]]
+    for sampling in (SamplingSettings(temperature=0.0, max_new_tokens=16), SamplingSettings(temperature=1.0, max_new_tokens=16)):
+        outs = []
+        for fused in (False, True):
+            engine = HFEngine(stop_token_ids=[tok.eos_token_id], pad_token_id=tok.pad_token_id, fused_ops=fused)
+            engine.sync(model)
+            outs.append(engine.generate(prompts, 2, sampling, seed=3))
+        plain, fused = outs
+        same = sum(a == b for a, b in zip(plain.completion_ids, fused.completion_ids))
+        assert same >= len(plain.completion_ids) - 1, (plain.completion_ids, fused.completion_ids)
+        for a, b, ca, cb in zip(plain.sampler_logprobs, fused.sampler_logprobs, plain.completion_ids, fused.completion_ids):
+            if ca == cb:
+                assert torch.allclose(torch.tensor(a), torch.tensor(b), atol=0.05), (a, b)
