@@ -1,7 +1,7 @@
 """Embedded (hf) rollout engine throughput: NVFP4 (Triton W4A16 kernels) vs bf16, same engine.
 
     python benchmarks/rollout_hf.py [--shape 7b|tiny] [--batches 1,8,64] [--prompt 256] [--new 256]
-        [--modes graph,eager]
+        [--modes graph,eager] [--variants default,no_fused_ops,baseline]
 
 A Qwen2.5-7B-shaped model with random weights (std 0.02) and LoRA r32 on every decoder linear, as
 during RL. For each batch size B: B random prompts of ``--prompt`` tokens, ``--new`` sampled tokens
@@ -9,6 +9,8 @@ each (no stop token, so every row decodes the full length), one warm-up generati
 one. tok/s = B * new / seconds (generated tokens only; prefill and, for ``graph``, the per-call
 CUDA-graph capture included). ``graph``: the engine's default on CUDA (static KV cache, decode step
 replayed as a CUDA graph); ``eager``: ``cuda_graphs=False`` (dynamic cache, one eager forward per token).
+``--variants`` A/B the engine's own speed-ups in one run: ``default``; ``no_fused_ops`` (eager
+RMSNorm / rotary / SiLU-mul); ``baseline`` (that, and transformers' GQA attention path).
 Prints a table and writes benchmarks/results/rollout_hf_h200.json (or --out).
 """
 
