@@ -76,6 +76,22 @@ def test_quickstart_cli_logs_every_scalar_and_trains_only_lora(tmp_path, monkeyp
     assert (Path(cli.trainer.log_dir) / "adapter" / "adapter_config.json").exists()
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_quickstart_cli(tmp_path, monkeypatch):
+    """The quickstart on one GPU in bf16: NVFP4 kernels, the hf engine's CUDA graphs, packed GQA
+    attention and fused ops while generating, AQN noise on: every scalar finite, LoRA trained."""
+    monkeypatch.chdir(tmp_path)
+    cli = main(["fit", *fast_args(tmp_path, 3, ["--trainer.accelerator=gpu", "--trainer.devices=1",
+                                                 "--model.dtype=bf16"])])
+    values, _ = scalars(f"{tmp_path}/logs")
+    for name in REQUIRED_SCALARS:
+        assert name in values and all(math.isfinite(v) for v in values[name]), (name, values.get(name))
+    assert max(values["aqn/sigma"]) > 0 and len(values["train/reward"]) == 3
+    lora_b = [p for n, p in cli.model.model.named_parameters() if "lora_B" in n]
+    assert lora_b and any(p.abs().max() > 0 for p in lora_b)
+
+
 @pytest.mark.parametrize("dropout", [0.0, 0.2])
 def test_checkpoint_holds_only_trainable_params_and_resume_matches_straight_run(dropout, tmp_path, monkeypatch):
     """With LoRA dropout the global generator matters too: the checkpoint carries it."""
