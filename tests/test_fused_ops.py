@@ -114,6 +114,18 @@ def test_fused_ops_are_off_on_cpu_without_the_interpreter():
             assert patched == (0, 0, False)
 
 
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs triton")
+def test_fused_rotary_passes_what_it_does_not_handle_to_the_original():
+    from qerl.rollout.fused_ops import _fused_rotary
+    calls = []
+    wrapped = _fused_rotary(lambda *a, **kw: calls.append((len(a), kw)) or "original")
+    q, cos = torch.zeros(1, 2, 3, 4), torch.zeros(1, 3, 4)
+    assert wrapped(q, q, cos, cos, None, unsqueeze_dim=1) == "original"       # an older signature
+    assert wrapped(q, q, cos, cos, unsqueeze_dim=2) == "original"
+    assert wrapped(q, q, cos[:, :, :2], cos[:, :, :2]) == "original"          # partial rotary
+    assert calls == [(5, {"unsqueeze_dim": 1}), (4, {"unsqueeze_dim": 2}), (4, {})]
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not CUDA, reason="needs CUDA")
 def test_gpu_fused_kernels_bf16():

@@ -117,10 +117,12 @@ def _rotary_applies(q, k, cos, sin) -> bool:
 
 def _fused_rotary(original):
     def apply_rotary_pos_emb(q, k, cos, sin, *args, **kwargs):
-        unsqueeze_dim = kwargs.pop("unsqueeze_dim", args[0] if len(args) == 1 else 1)
-        if unsqueeze_dim != 1 or kwargs or len(args) > 1 or not _rotary_applies(q, k, cos, sin):
-            return original(q, k, cos, sin, *args, **kwargs)
-        return rotary(q, cos, sin), rotary(k, cos, sin)
+        # transformers calls it with 4 positional tensors; anything else (position_ids of older
+        # signatures, another unsqueeze_dim) goes to the original untouched
+        plain = not args and set(kwargs) <= {"unsqueeze_dim"} and kwargs.get("unsqueeze_dim", 1) == 1
+        if plain and _rotary_applies(q, k, cos, sin):
+            return rotary(q, cos, sin), rotary(k, cos, sin)
+        return original(q, k, cos, sin, *args, **kwargs)
     return apply_rotary_pos_emb
 
 
