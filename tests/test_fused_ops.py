@@ -5,12 +5,12 @@ without them. GPU: bf16 against the eager ops, and the engine's output with and 
 
 import importlib.util
 import os
-import subprocess
-import sys
 import textwrap
 
 import pytest
 import torch
+
+import triton_interpreter
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CUDA = torch.cuda.is_available()
@@ -90,19 +90,9 @@ _INTERP_SCRIPT = _COMMON + textwrap.dedent("""
 """)
 
 
-def _interp_ready():
-    if importlib.util.find_spec("triton") is None:
-        return False
-    import numpy
-    return tuple(int(v) for v in numpy.__version__.split(".")[:2]) < (2, 4)
-
-
-@pytest.mark.skipif(not _interp_ready(), reason="needs triton and numpy<2.4 for the CPU interpreter")
+@pytest.mark.skipif(not triton_interpreter.ready(), reason=triton_interpreter.REASON)
 def test_fused_ops_in_triton_interpreter():
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=ROOT)
-    r = subprocess.run([sys.executable, "-c", _INTERP_SCRIPT.format(root=ROOT)], capture_output=True, text=True,
-                       timeout=600, env=env, cwd=ROOT)
-    assert r.returncode == 0 and "FUSED_OK" in r.stdout, r.stdout[-2000:] + r.stderr[-4000:]
+    triton_interpreter.run(_INTERP_SCRIPT.format(root=ROOT), "FUSED_OK")
 
 
 def test_fused_ops_are_off_on_cpu_without_the_interpreter():

@@ -8,16 +8,15 @@
   every autotuning candidate config; determinism of the split-K reduction; CUDA-graph capture.
 """
 
-import importlib.util
 import os
 import subprocess
-import sys
 import textwrap
 
 import pytest
 import torch
 
 import kernels
+import triton_interpreter
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LUT = torch.tensor([0, .5, 1, 1.5, 2, 3, 4, 6, -0., -.5, -1, -1.5, -2, -3, -4, -6], dtype=torch.float64)
@@ -76,19 +75,9 @@ _INTERP_SCRIPT = textwrap.dedent("""
 """)
 
 
-def _interp_ready():
-    if importlib.util.find_spec("triton") is None:
-        return False
-    import numpy
-    return tuple(int(v) for v in numpy.__version__.split(".")[:2]) < (2, 4)
-
-
-@pytest.mark.skipif(not _interp_ready(), reason="needs triton and numpy<2.4 for the CPU interpreter")
+@pytest.mark.skipif(not triton_interpreter.ready(), reason=triton_interpreter.REASON)
 def test_kernels_in_triton_interpreter():
-    script = _INTERP_SCRIPT.format(root=ROOT, tests=os.path.join(ROOT, "tests"))
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300, env=env)
-    assert r.returncode == 0 and "INTERP_OK" in r.stdout, r.stdout[-2000:] + r.stderr[-4000:]
+    triton_interpreter.run(_INTERP_SCRIPT.format(root=ROOT, tests=os.path.join(ROOT, "tests")), "INTERP_OK", timeout=300)
 
 
 def test_import_and_availability_on_cpu():
