@@ -172,8 +172,8 @@ def _is_rms_norm(module) -> bool:
 def fused_decode_ops(model: torch.nn.Module):
     """Within the block, the model's RMSNorms (with their AQN noise, fixed for the block), its
     rotary embedding and its SiLU MLP run the fused kernels (CUDA only; a no-op elsewhere, except
-    under Triton's interpreter). Yields
-    the number of norms and MLPs patched and whether the rotary embedding was."""
+    under Triton's interpreter). Yields the number of norms and MLPs patched and whether the
+    rotary embedding was."""
     if not _runs_on(next(model.parameters())):
         yield (0, 0, False)
         return
