@@ -398,7 +398,7 @@ class QeRLModule(EvaluationMixin, L.LightningModule):
     def _on_all_ranks(self, flag: bool) -> bool:
         """``flag`` and-ed over the data-parallel ranks: a decision that changes the number of
         backward passes (each one a gradient all-reduce under DDP) must be taken by every rank."""
-        if self.trainer.world_size <= 1:
+        if self._world_size() <= 1:
             return flag
         return self.trainer.strategy.reduce_boolean_decision(flag, all=True)
 

@@ -43,7 +43,7 @@ def _eps(module: nn.Module) -> float | None:
     return None
 
 
-def _rmsnorm(module: nn.Module, hidden_states: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
+def _rmsnorm(module: nn.Module, hidden_states: torch.Tensor, noise: torch.Tensor, eps: float) -> torch.Tensor:
     """HF RMSNorm with scale ``weight.float() + noise`` applied in fp32, cast back once at the end.
 
     The normalised input is rounded to the input dtype first, as HF's norm does before its
@@ -53,7 +53,7 @@ def _rmsnorm(module: nn.Module, hidden_states: torch.Tensor, noise: torch.Tensor
     input_dtype = hidden_states.dtype
     h = hidden_states.to(torch.float32)
     variance = h.pow(2).mean(-1, keepdim=True)
-    h = (h * torch.rsqrt(variance + module.aqn_eps)).to(input_dtype).float()
+    h = (h * torch.rsqrt(variance + eps)).to(input_dtype).float()
     out = h * (module.weight.float() + noise.to(h.device))
     return out.to(torch.promote_types(module.weight.dtype, input_dtype))
 
@@ -72,23 +72,35 @@ class _NoisyForward:
             return type(m).forward(m, hidden_states, *args, **kwargs)
         if args or kwargs:
             raise TypeError("a noisy norm takes only hidden_states")
-        return _rmsnorm(m, hidden_states, m.aqn_noise)
+        return _rmsnorm(m, hidden_states, m.aqn_noise, m.aqn_eps)
+
+
+def rms_norm_mismatch(module: nn.Module) -> str | None:
+    """Why ``module`` is not an HF-style RMSNorm -- a 1-D weight, an eps, no bias, and its forward
+    equal to ``_rmsnorm`` on a random input (skipped on the meta device) -- or None if it is one.
+    The noisy norms and the engine's fused norm (``qerl.rollout.fused_ops``) replace the forward
+    by that formula, so a norm that computes anything else (Gemma's ``1 + weight``) must not pass."""
+    eps, weight = _eps(module), getattr(module, "weight", None)
+    if eps is None or not isinstance(weight, torch.Tensor) or weight.dim() != 1 or getattr(module, "bias", None) is not None:
+        return "is not an RMSNorm with a 1-D weight and an eps"
+    if weight.device.type != "meta":
+        with torch.no_grad():
+            x = torch.randn(3, weight.shape[0], generator=torch.Generator().manual_seed(0)).to(weight)
+            zero = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
+            if not torch.allclose(module(x).float(), _rmsnorm(module, x, zero, eps).float(), rtol=1e-2, atol=1e-2):
+                return "does not compute weight * x * rsqrt(mean(x^2) + eps)"
+    return None
 
 
 def _wrap(module: nn.Module, name: str) -> None:
     if isinstance(module.__dict__.get("forward"), _NoisyForward):
         return  # already wrapped (e.g. a deepcopy of a wrapped model): adopt it
-    eps, weight = _eps(module), getattr(module, "weight", None)
-    if eps is None or not isinstance(weight, torch.Tensor) or weight.dim() != 1 or getattr(module, "bias", None) is not None:
-        raise ValueError(f"{name} ({type(module).__name__}) is not an RMSNorm with a 1-D weight and an eps")
-    module.aqn_eps = eps
-    module.aqn_noise = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
+    reason = rms_norm_mismatch(module)
+    if reason is not None:
+        raise ValueError(f"{name} ({type(module).__name__}) {reason}")
+    module.aqn_eps = _eps(module)
+    module.aqn_noise = torch.zeros(module.weight.shape, dtype=torch.float32, device=module.weight.device)
     module.aqn_active = False
-    if weight.device.type != "meta":  # the replica must equal the original on this norm class
-        with torch.no_grad():
-            x = torch.randn(3, weight.shape[0], generator=torch.Generator().manual_seed(0)).to(weight)
-            if not torch.allclose(module(x).float(), _rmsnorm(module, x, module.aqn_noise).float(), rtol=1e-2, atol=1e-2):
-                raise ValueError(f"{name} ({type(module).__name__}) does not compute weight * x * rsqrt(mean(x^2) + eps)")
     module.forward = _NoisyForward(module, module.__dict__.get("forward"))
 
 
