@@ -1,7 +1,7 @@
 """Embedded (hf) rollout engine throughput: NVFP4 (Triton W4A16 kernels) vs bf16, same engine.
 
     python benchmarks/rollout_hf.py [--shape 7b|tiny] [--batches 1,8,64] [--prompt 256] [--new 256]
-        [--modes graph,eager] [--variants default,no_fused_ops,baseline]
+        [--modes graph,eager] [--variants default,no_fused_projections,no_fused_ops,baseline]
 
 A Qwen2.5-7B-shaped model with random weights (std 0.02) and LoRA r32 on every decoder linear, as
 during RL. For each batch size B: B random prompts of ``--prompt`` tokens, ``--new`` sampled tokens
@@ -9,8 +9,9 @@ each (no stop token, so every row decodes the full length), one warm-up generati
 one. tok/s = B * new / seconds (generated tokens only; prefill and, for ``graph``, the per-call
 CUDA-graph capture included). ``graph``: the engine's default on CUDA (static KV cache, decode step
 replayed as a CUDA graph); ``eager``: ``cuda_graphs=False`` (dynamic cache, one eager forward per token).
-``--variants`` A/B the engine's own speed-ups in one run: ``default``; ``no_fused_ops`` (eager
-RMSNorm / rotary / SiLU-mul); ``baseline`` (that, and transformers' GQA attention path).
+``--variants`` A/B the engine's own speed-ups in one run: ``default``; ``no_fused_projections``
+(q, k, v, gate and up as separate linears); ``no_fused_ops`` (that, and eager RMSNorm / rotary /
+SiLU-mul); ``baseline`` (that, and transformers' GQA attention path).
 Prints a table and writes benchmarks/results/rollout_hf_h200.json (or --out).
 """
 
@@ -57,10 +58,16 @@ def build(shape: str, quantization: str, device: str):
     return model.eval(), config.vocab_size
 
 
-def bench(model, vocab: int, batch: int, prompt: int, new: int, device: str, cuda_graphs: bool,
-          fused_ops: bool = True) -> float:
+VARIANTS = {  # HFEngine switches of each --variants entry (baseline also swaps the attention back)
+    "default": {}, "no_fused_projections": dict(fused_projections=False),
+    "no_fused_ops": dict(fused_projections=False, fused_ops=False),
+    "baseline": dict(fused_projections=False, fused_ops=False),
+}
+
+
+def bench(model, vocab: int, batch: int, prompt: int, new: int, device: str, cuda_graphs: bool, **engine_args) -> float:
     engine = HFEngine(stop_token_ids=[-1], pad_token_id=0, max_batch_size=batch, cuda_graphs=cuda_graphs,
-                      fused_ops=fused_ops)
+                      **engine_args)
     engine.sync(model)
     g = torch.Generator().manual_seed(batch)
     prompts = torch.randint(1, vocab, (batch, prompt), generator=g).tolist()
@@ -83,8 +90,8 @@ def main():
     ap.add_argument("--new", type=int, default=256)
     ap.add_argument("--modes", default="graph,eager", help="graph: static cache + CUDA graph; eager: dynamic cache")
     ap.add_argument("--variants", default="default",
-                    help="A/B of the engine: default; no_fused_ops (fused_ops=False); baseline (also "
-                         "transformers' own sdpa GQA path: the engine before 2026-11-30 17:00)")
+                    help="A/B of the engine: default; no_fused_projections; no_fused_ops (also fused_ops=False); "
+                         "baseline (also transformers' own sdpa GQA path: the engine before 2026-11-30 17:00)")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "rollout_hf_h200.json"))
     args = ap.parse_args()
     import contextlib
@@ -100,7 +107,7 @@ def main():
                 hf.packed_gqa_decode_attention = contextlib.nullcontext if variant == "baseline" else packed
                 for b in [int(x) for x in args.batches.split(",")]:
                     tok_s = bench(model, vocab, b, args.prompt, args.new, device, cuda_graphs=mode == "graph",
-                                  fused_ops=variant == "default")
+                                  **VARIANTS[variant])
                     rows.append({"quantization": quantization, "B": b, "lora": True, "decode": mode,
                                  "engine": variant, "shape": args.shape, "prompt_tokens": args.prompt,
                                  "new_tokens": args.new, "tok_s": round(tok_s, 1)})

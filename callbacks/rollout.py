@@ -58,8 +58,9 @@ class RolloutCallback(L.Callback):
         hf_adapter_dtype: hf engine: ``model`` runs the LoRA adapters in the model's dtype while
             generating (as vLLM does; much faster on a bf16 model); ``stored`` in their trained
             dtype (fp32), so the sampler's log-probs equal the trainer's (see ``qerl.rollout.hf.HFEngine``).
-        hf_fused_ops: hf engine on CUDA: RMSNorm, rotary embedding and SiLU-mul as one Triton kernel
-            each while generating (``qerl.rollout.fused_ops``); false = transformers' eager ops.
+        hf_fused_ops: hf engine on CUDA, while generating: RMSNorm, rotary embedding and SiLU-mul as
+            one Triton kernel each (``qerl.rollout.fused_ops``), and q/k/v and gate/up as one linear
+            each (``qerl.rollout.fast_linears``); false = transformers' eager ops and linears.
         dynamic_sampling: DAPO: drop groups whose rewards (before overlong shaping) are all equal and
             refill from fresh prompts.
         max_refill_rounds: at most this many extra generation rounds per step for dynamic sampling.
@@ -120,7 +121,7 @@ class RolloutCallback(L.Callback):
         tok = pl_module.tokenizer
         if self.engine_name == "hf":
             return HFEngine.for_model(pl_module.model, tok, self.max_batch_size, self.cuda_graphs, self.hf_adapter_dtype,
-                                      self.hf_fused_ops)
+                                      fused_ops=self.hf_fused_ops, fused_projections=self.hf_fused_ops)
         if self.engine_name == "vllm":
             from qerl.rollout.vllm import VLLMEngine
 

@@ -98,7 +98,8 @@ class EvaluationMixin:
                     self.model, self.tokenizer, self.eval_settings.max_batch_size,
                     cuda_graphs=getattr(rollout_cb, "cuda_graphs", True),
                     adapter_dtype=getattr(rollout_cb, "hf_adapter_dtype", "model"),
-                    fused_ops=getattr(rollout_cb, "hf_fused_ops", True))
+                    fused_ops=getattr(rollout_cb, "hf_fused_ops", True),
+                    fused_projections=getattr(rollout_cb, "hf_fused_ops", True))
             engine = self._evaluation_engine
         scales = self.noisy_norms.effective_scales() if self.noisy_norms is not None else None
         engine.sync(self.model, scales, adapter=self.eval_settings.use_adapter)

@@ -44,8 +44,12 @@ _COMMON = textwrap.dedent("""
         gate, up = rnd(6, 40), rnd(6, 40)
         act = silu_mul(gate, up)
         act_ref = torch.nn.functional.silu(gate) * up
+        gate_up = rnd(2, 3, 80)                       # the two halves of one fused gate_up output
+        act_halves = silu_mul(gate_up[..., :40], gate_up[..., 40:])
+        halves_ref = torch.nn.functional.silu(gate_up[..., :40]) * gate_up[..., 40:]
+        assert act_halves.shape == (2, 3, 40) and act_halves.is_contiguous()
         tol = dict(atol=1e-6, rtol=1e-5) if exact else dict(atol=0, rtol=2 ** -7)   # bf16: 1 ulp
-        for a, b in ((out, ref), (noisy, noisy_ref), (act, act_ref)):
+        for a, b in ((out, ref), (noisy, noisy_ref), (act, act_ref), (act_halves, halves_ref)):
             assert a.dtype == b.dtype and torch.allclose(a.float(), b.float(), **tol), (a - b).abs().max()
 """)
 
@@ -57,6 +61,7 @@ _INTERP_SCRIPT = _COMMON + textwrap.dedent("""
     from qerl.noisy_norms import _NoisyForward
     from qerl.rollout import SamplingSettings
     from qerl.rollout.fused_ops import fused_decode_ops
+    from qerl.rollout.fast_linears import fused_projections
     from qerl.rollout.hf import HFEngine
 
     check_kernels("cpu", torch.float32, exact=True)
@@ -70,18 +75,21 @@ _INTERP_SCRIPT = _COMMON + textwrap.dedent("""
     original_rotary = M.apply_rotary_pos_emb
     for sampling in (SamplingSettings(temperature=0.0, max_new_tokens=6), SamplingSettings(temperature=1.0, max_new_tokens=6)):
         runs = []
-        for fused in (False, True):
+        for fused in (False, True, "with fused projections"):   # the last: the MLP gets gate/up halves
             ctx = fused_decode_ops(model) if fused else __import__("contextlib").nullcontext((0, 0, False))
-            with torch.no_grad(), ctx as patched:
+            groups = fused_projections(model, torch.float32) if fused == "with fused projections" else __import__("contextlib").nullcontext(0)
+            with torch.no_grad(), groups as n_groups, ctx as patched:
                 gen = torch.Generator().manual_seed(1)
                 runs.append(engine._generate_chunk(prompts, sampling, gen, static=True))
                 if fused:
                     assert patched == (5, 2, True), patched          # 2 layers x 2 norms + final, 2 MLPs
                     assert M.apply_rotary_pos_emb is not original_rotary
-        plain, fused = runs
-        assert plain.completion_ids == fused.completion_ids, (plain.completion_ids, fused.completion_ids)
-        for a, b in zip(plain.sampler_logprobs, fused.sampler_logprobs):
-            assert torch.allclose(torch.tensor(a), torch.tensor(b), atol=1e-5), (a, b)
+                assert n_groups == (4 if fused == "with fused projections" else 0)
+        plain = runs[0]
+        for fused in runs[1:]:
+            assert plain.completion_ids == fused.completion_ids, (plain.completion_ids, fused.completion_ids)
+            for a, b in zip(plain.sampler_logprobs, fused.sampler_logprobs):
+                assert torch.allclose(torch.tensor(a), torch.tensor(b), atol=1e-5), (a, b)
     assert M.apply_rotary_pos_emb is original_rotary
     layer = model.base_model.model.model.layers[0]
     assert isinstance(layer.input_layernorm.forward, _NoisyForward)      # AQN's wrapper is back
@@ -127,8 +135,9 @@ def test_gpu_fused_kernels_bf16():
 @pytest.mark.gpu
 @pytest.mark.skipif(not CUDA, reason="needs CUDA")
 def test_gpu_engine_with_and_without_fused_ops():
-    """bf16 NVFP4 policy with AQN on the GPU, CUDA-graph decoding: the fused engine samples what the
-    unfused one samples (greedy tokens equal, sampled log-probs within bf16 rounding)."""
+    """bf16 NVFP4 policy with AQN on the GPU, CUDA-graph decoding: the engine with the fused ops (and
+    also with the fused projections) samples what the unfused one samples (greedy tokens equal,
+    sampled log-probs within bf16 rounding)."""
     from qerl.aqn import attach_noisy_norms
     from qerl.model import LoraSettings, load_policy
     from qerl.rollout import SamplingSettings
@@ -139,13 +148,15 @@ def test_gpu_engine_with_and_without_fused_ops():
     prompts = [[5, 6, 7, 8, 9], [11, 12], [13, 14, 15], [20]]
     for sampling in (SamplingSettings(temperature=0.0, max_new_tokens=16), SamplingSettings(temperature=1.0, max_new_tokens=16)):
         outs = []
-        for fused in (False, True):
-            engine = HFEngine(stop_token_ids=[tok.eos_token_id], pad_token_id=tok.pad_token_id, fused_ops=fused)
+        for fused, projections in ((False, False), (True, False), (True, True)):
+            engine = HFEngine(stop_token_ids=[tok.eos_token_id], pad_token_id=tok.pad_token_id, fused_ops=fused,
+                              fused_projections=projections)
             engine.sync(model)
             outs.append(engine.generate(prompts, 2, sampling, seed=3))
-        plain, fused = outs
-        same = sum(a == b for a, b in zip(plain.completion_ids, fused.completion_ids))
-        assert same >= len(plain.completion_ids) - 1, (plain.completion_ids, fused.completion_ids)
-        for a, b, ca, cb in zip(plain.sampler_logprobs, fused.sampler_logprobs, plain.completion_ids, fused.completion_ids):
-            if ca == cb:
-                assert torch.allclose(torch.tensor(a), torch.tensor(b), atol=0.05), (a, b)
+        plain = outs[0]
+        for fused in outs[1:]:
+            same = sum(a == b for a, b in zip(plain.completion_ids, fused.completion_ids))
+            assert same >= len(plain.completion_ids) - 1, (plain.completion_ids, fused.completion_ids)
+            for a, b, ca, cb in zip(plain.sampler_logprobs, fused.sampler_logprobs, plain.completion_ids, fused.completion_ids):
+                if ca == cb:
+                    assert torch.allclose(torch.tensor(a), torch.tensor(b), atol=0.05), (a, b)

@@ -63,14 +63,15 @@ def _rotary_kernel(x_ptr, cos_ptr, sin_ptr, out_ptr, H, T, D, sxb, sxh, sxt, sob
 
 
 @triton.jit
-def _silu_mul_kernel(g_ptr, u_ptr, out_ptr, n, BLOCK: tl.constexpr):
-    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    m = offs < n
-    g = tl.load(g_ptr + offs, mask=m, other=0.0).to(tl.float32)
-    u = tl.load(u_ptr + offs, mask=m, other=0.0).to(tl.float32)
+def _silu_mul_kernel(g_ptr, u_ptr, out_ptr, D, stride_g, stride_u, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)                 # rows may be slices of one gate_up output
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    m = cols < D
+    g = tl.load(g_ptr + row * stride_g + cols, mask=m, other=0.0).to(tl.float32)
+    u = tl.load(u_ptr + row * stride_u + cols, mask=m, other=0.0).to(tl.float32)
     dt = out_ptr.dtype.element_ty
     act = (g / (1.0 + tl.exp(-g))).to(dt).to(tl.float32)
-    tl.store(out_ptr + offs, (act * u).to(dt), mask=m)
+    tl.store(out_ptr + row * D + cols, (act * u).to(dt), mask=m)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, out_dtype: torch.dtype) -> torch.Tensor:
@@ -95,10 +96,14 @@ def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
 
 
 def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    out = torch.empty_like(gate)
-    n = gate.numel()
-    _silu_mul_kernel[(triton.cdiv(n, 1024),)](gate, up, out, n, BLOCK=1024, enable_fp_fusion=False)
-    return out
+    """``silu(gate) * up`` for same-shape inputs whose rows have unit column stride (contiguous, or
+    the two column halves of one fused gate_up output); the result is contiguous."""
+    D = gate.shape[-1]
+    g, u = gate.reshape(-1, D), up.reshape(-1, D)             # views for such inputs
+    out = torch.empty(g.shape, dtype=gate.dtype, device=gate.device)
+    _silu_mul_kernel[(g.shape[0], triton.cdiv(D, 1024))](g, u, out, D, g.stride(0), u.stride(0), BLOCK=1024,
+                                                         enable_fp_fusion=False)
+    return out.view(gate.shape)
 
 
 # ------------------------------------------------------------------------------------ patching
@@ -139,7 +144,7 @@ def _norm_forward(module):
 def _mlp_forward(module):
     def forward(x):
         gate, up = module.gate_proj(x), module.up_proj(x)
-        if gate.shape != up.shape or gate.dtype != up.dtype or not (gate.is_contiguous() and up.is_contiguous()):
+        if gate.shape != up.shape or gate.dtype != up.dtype or gate.stride(-1) != 1 or up.stride(-1) != 1:
             return module.down_proj(module.act_fn(gate) * up)
         return module.down_proj(silu_mul(gate, up))
     return forward

@@ -27,6 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from qerl.rollout.base import Generation, RolloutEngine, SamplingSettings, pad_left, stop_token_ids
+from qerl.rollout.fast_linears import fused_projections, lean_lora_forward  # noqa: F401 (re-exported)
 
 ADAPTER_DTYPES = ("model", "stored")
 
@@ -223,48 +224,6 @@ def check_adapter_dtype(value: str, what: str) -> None:
         raise ValueError(f"{what} must be 'model' or 'stored', got {value!r}")
 
 
-def _lean_lora_forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
-    """peft's LoRA ``Linear.forward`` in two GEMMs for generation: ``base(x) + (x A^T) (s B)^T``, the
-    add fused into cuBLAS' epilogue (``addmm``) and the scaling folded into a copy of B."""
-    result = self.base_layer(x, *args, **kwargs)
-    A, sB = self._qerl_lean                                       # (r, K), (N, r)
-    h = F.linear(x if x.dtype == A.dtype else x.to(A.dtype), A)  # (..., r)
-    flat = torch.addmm(result.reshape(-1, result.shape[-1]), h.reshape(-1, h.shape[-1]).to(result.dtype),
-                       sB.t().to(result.dtype))                  # (.to: no-ops when the dtypes agree)
-    return flat.view(result.shape)
-
-
-@contextlib.contextmanager
-def lean_lora_forward(model: torch.nn.Module, dtype: torch.dtype):
-    """Within the block, every plain peft LoRA linear with one active adapter runs
-    ``_lean_lora_forward`` on ``dtype`` copies of its A and (scaled) B: the adapter in the model's
-    dtype, as vLLM runs it, and 2 kernels besides the base instead of peft's 4 (A, B, ``* scaling``,
-    ``+``), ~400 fewer per decode step of a 28-layer model, which at batch 1 is launch-bound. Others
-    (merged, disabled, DoRA and other variants, a bias on B, several adapters, training mode) keep
-    peft's forward. The Parameters are never touched: swapping their ``.data`` for another dtype
-    would reset their gradient accumulators and with them DDP's all-reduce hooks."""
-    patched = []
-    for module in model.modules():
-        adapters = getattr(module, "active_adapters", None)
-        if (not hasattr(module, "lora_A") or not hasattr(module, "base_layer") or module.training
-                or getattr(module, "merged", True) or getattr(module, "disable_adapters", True)
-                or adapters is None or len(adapters) != 1 or "forward" in vars(module)):
-            continue
-        name = adapters[0]
-        if (name not in module.lora_A or name in getattr(module, "lora_variant", {})
-                or not isinstance(module.lora_A[name], torch.nn.Linear) or module.lora_B[name].bias is not None):
-            continue
-        A, B = module.lora_A[name].weight.detach(), module.lora_B[name].weight.detach()
-        module._qerl_lean = (A.to(dtype), (B * module.scaling[name]).to(dtype))
-        module.forward = _lean_lora_forward.__get__(module)
-        patched.append(module)
-    try:
-        yield len(patched)
-    finally:
-        for module in patched:
-            del module.forward, module._qerl_lean
-
-
 def decode_mode(device_type: str, cuda_graphs: bool, attn_implementation: str, static: bool | None = None) -> str:
     """``graph`` (static cache, CUDA graph), ``static`` (static cache, eager) or ``dynamic``.
     ``static=True`` forces the static cache (tests run it on the CPU), ``False`` the dynamic one;
@@ -295,11 +254,16 @@ class HFEngine(RolloutEngine):
         fused_ops: on CUDA, while generating, RMSNorm (with AQN noise), the rotary embedding and
             SiLU(gate) * up run as one Triton kernel each (``qerl.rollout.fused_ops``; the rotary
             embedding bit-identical to transformers', the others up to rare 1-ulp differences).
+        fused_projections: on CUDA, while generating, q/k/v and gate/up run as one linear each over
+            their concatenated weights (and one LoRA-A / one block-diagonal B GEMM), the shapes the
+            NVFP4 kernels are tuned for (``qerl.rollout.fast_linears``; the members' weights become
+            row-slice views of one buffer the first time, no copy is kept). Needs
+            ``adapter_dtype="model"`` for adapted groups.
     """
 
     def __init__(self, stop_token_ids: list[int], pad_token_id: int, max_batch_size: int = 64,
                  cuda_graphs: bool = True, adapter_dtype: Literal["model", "stored"] = "model",
-                 fused_ops: bool = True):
+                 fused_ops: bool = True, fused_projections: bool = True):
         check_adapter_dtype(adapter_dtype, "HFEngine: adapter_dtype")
         self.stop_token_ids = sorted(set(stop_token_ids))
         self.pad_token_id = pad_token_id
@@ -307,15 +271,18 @@ class HFEngine(RolloutEngine):
         self.cuda_graphs = cuda_graphs
         self.adapter_dtype = adapter_dtype
         self.fused_ops = fused_ops
+        self.fused_projections = fused_projections
         self.model: torch.nn.Module | None = None
         self.adapter = True
 
     @classmethod
     def for_model(cls, model: torch.nn.Module, tokenizer, max_batch_size: int = 64, cuda_graphs: bool = True,
-                  adapter_dtype: Literal["model", "stored"] = "model", fused_ops: bool = True) -> "HFEngine":
+                  adapter_dtype: Literal["model", "stored"] = "model", fused_ops: bool = True,
+                  fused_projections: bool = True) -> "HFEngine":
         """The engine for a policy and its tokenizer: stops at the model's end-of-turn / EOS tokens."""
         return cls(stop_token_ids(tokenizer, model), tokenizer.pad_token_id, max_batch_size,
-                   cuda_graphs=cuda_graphs, adapter_dtype=adapter_dtype, fused_ops=fused_ops)
+                   cuda_graphs=cuda_graphs, adapter_dtype=adapter_dtype, fused_ops=fused_ops,
+                   fused_projections=fused_projections)
 
     def sync(self, model: torch.nn.Module, norm_scales: dict[str, torch.Tensor] | None = None,
              adapter: bool = True) -> None:
@@ -336,11 +303,16 @@ class HFEngine(RolloutEngine):
         was_training = self.model.training
         self.model.eval()
         adapter_off = self.model.disable_adapter() if not self.adapter else contextlib.nullcontext()
-        cast = (lean_lora_forward(self.model, self.model.get_input_embeddings().weight.dtype)
-                if self.adapter and self.adapter_dtype == "model" else contextlib.nullcontext())
-        fused = _fused_ops(self.model) if self.fused_ops and device.type == "cuda" else contextlib.nullcontext()
+        lora_dtype = self.model.get_input_embeddings().weight.dtype if self.adapter_dtype == "model" else None
+        cast = (lean_lora_forward(self.model, lora_dtype)
+                if self.adapter and lora_dtype is not None else contextlib.nullcontext())
+        on_cuda = device.type == "cuda"
+        grouped = fused_projections(self.model, lora_dtype) if self.fused_projections and on_cuda else contextlib.nullcontext()
+        fused = _fused_ops(self.model) if self.fused_ops and on_cuda else contextlib.nullcontext()
         try:
-            with adapter_off, cast, fused:
+            # order: the adapter switch first (the groups read it), the groups before the lean
+            # forward (which leaves their members alone)
+            with adapter_off, grouped, cast, fused:
                 for lo in range(0, len(repeated), self.max_batch_size):
                     chunk = self._generate_chunk(repeated[lo: lo + self.max_batch_size], sampling, gen)
                     out.completion_ids += chunk.completion_ids
