@@ -1,7 +1,7 @@
 """Embedded (hf) rollout engine throughput: NVFP4 (Triton W4A16 kernels) vs bf16, same engine.
 
     python benchmarks/rollout_hf.py [--shape 7b|tiny] [--batches 1,8,64] [--prompt 256] [--new 256]
-        [--modes graph,eager] [--variants default,no_fused_projections,no_fused_ops,baseline]
+        [--modes graph,eager] [--variants default,sync_every_token,no_fused_projections,no_fused_ops,baseline]
 
 A Qwen2.5-7B-shaped model with random weights (std 0.02) and LoRA r32 on every decoder linear, as
 during RL. For each batch size B: B random prompts of ``--prompt`` tokens, ``--new`` sampled tokens
@@ -9,13 +9,17 @@ each (no stop token, so every row decodes the full length), one warm-up generati
 one. tok/s = B * new / seconds (generated tokens only; prefill and, for ``graph``, the per-call
 CUDA-graph capture included). ``graph``: the engine's default on CUDA (static KV cache, decode step
 replayed as a CUDA graph); ``eager``: ``cuda_graphs=False`` (dynamic cache, one eager forward per token).
-``--variants`` A/B the engine's own speed-ups in one run: ``default``; ``no_fused_projections``
-(q, k, v, gate and up as separate linears); ``no_fused_ops`` (that, and eager RMSNorm / rotary /
-SiLU-mul); ``baseline`` (that, and transformers' GQA attention path).
+``--variants`` A/B the engine's own speed-ups in one run: ``default``; ``sync_every_token`` (the
+host reads "all rows stopped?" after every token instead of every ``STOP_CHECK_EVERY``);
+``no_fused_projections`` (q, k, v, gate and up as separate linears); ``no_fused_ops`` (that, and
+eager RMSNorm / rotary / SiLU-mul); ``baseline`` (that, and transformers' GQA attention path).
+The first timed run of a process used to come out up to 30% slow (clocks, lazy initialisation):
+one untimed spin-up run precedes them.
 Prints a table and writes benchmarks/results/rollout_hf_h200.json (or --out).
 """
 
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -58,10 +62,12 @@ def build(shape: str, quantization: str, device: str):
     return model.eval(), config.vocab_size
 
 
-VARIANTS = {  # HFEngine switches of each --variants entry (baseline also swaps the attention back)
-    "default": {}, "no_fused_projections": dict(fused_projections=False),
-    "no_fused_ops": dict(fused_projections=False, fused_ops=False),
-    "baseline": dict(fused_projections=False, fused_ops=False),
+VARIANTS = {  # --variants entry: (HFEngine switches, qerl.rollout.hf attributes swapped for the run)
+    "default": ({}, {}),
+    "sync_every_token": ({}, {"STOP_CHECK_EVERY": 1}),
+    "no_fused_projections": (dict(fused_projections=False), {}),
+    "no_fused_ops": (dict(fused_projections=False, fused_ops=False), {}),
+    "baseline": (dict(fused_projections=False, fused_ops=False), {"packed_gqa_decode_attention": contextlib.nullcontext}),
 }
 
 
@@ -90,29 +96,33 @@ def main():
     ap.add_argument("--new", type=int, default=256)
     ap.add_argument("--modes", default="graph,eager", help="graph: static cache + CUDA graph; eager: dynamic cache")
     ap.add_argument("--variants", default="default",
-                    help="A/B of the engine: default; no_fused_projections; no_fused_ops (also fused_ops=False); "
-                         "baseline (also transformers' own sdpa GQA path: the engine before 2026-11-30 17:00)")
+                    help="A/B of the engine, comma-separated: " + ", ".join(VARIANTS) + " (see above)")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "rollout_hf_h200.json"))
     args = ap.parse_args()
-    import contextlib
-
     import qerl.rollout.hf as hf
-    packed = hf.packed_gqa_decode_attention
+
     device = "cuda" if torch.cuda.is_available() else "cpu"
     rows = []
+    batches = [int(x) for x in args.batches.split(",")]
     for quantization in ("bf16", "nvfp4"):
         model, vocab = build(args.shape, quantization, device)
+        if not rows:   # spin-up, untimed
+            bench(model, vocab, batches[0], args.prompt, args.new, device, cuda_graphs="graph" in args.modes)
         for mode in args.modes.split(","):
             for variant in args.variants.split(","):
-                hf.packed_gqa_decode_attention = contextlib.nullcontext if variant == "baseline" else packed
-                for b in [int(x) for x in args.batches.split(",")]:
+                engine_args, swaps = VARIANTS[variant]
+                saved = {k: getattr(hf, k) for k in swaps}
+                for k, v in swaps.items():
+                    setattr(hf, k, v)
+                for b in batches:
                     tok_s = bench(model, vocab, b, args.prompt, args.new, device, cuda_graphs=mode == "graph",
-                                  **VARIANTS[variant])
+                                  **engine_args)
                     rows.append({"quantization": quantization, "B": b, "lora": True, "decode": mode,
                                  "engine": variant, "shape": args.shape, "prompt_tokens": args.prompt,
                                  "new_tokens": args.new, "tok_s": round(tok_s, 1)})
                     print(f"{quantization:6s} {mode:5s} {variant:12s} B={b:3d}  {tok_s:9.1f} tok/s", flush=True)
-        hf.packed_gqa_decode_attention = packed
+                for k, v in saved.items():
+                    setattr(hf, k, v)
         del model
         torch.cuda.empty_cache() if device == "cuda" else None
     by = {(r["quantization"], r["decode"], r["engine"], r["B"]): r["tok_s"] for r in rows}

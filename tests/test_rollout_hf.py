@@ -59,6 +59,33 @@ def test_static_decoder_equals_dynamic_and_the_trainer(attn):
             assert torch.allclose(ref, torch.tensor(lp), atol=1e-4), (i, ref, lp)
 
 
+@pytest.mark.parametrize("static", [False, True])
+def test_rows_stop_where_they_stop_whatever_the_stop_check_interval(static, monkeypatch):
+    """The host reads "all rows stopped?" only every STOP_CHECK_EVERY tokens: rows that stop early
+    decode padding meanwhile, which must not reach the output (same tokens, log-probs, reasons)."""
+    import qerl.rollout.hf as hf
+    model, tok = _policy()
+    free = _generate(HFEngine([-1], tok.pad_token_id), model, SamplingSettings(temperature=0.0, max_new_tokens=12), 0, static)
+    stop = free.completion_ids[0][2]                # row 0 stops at its third token
+    greedy = SamplingSettings(temperature=0.0, max_new_tokens=12)
+    outs = []
+    for prompts in (PROMPTS, PROMPTS[:1]):          # the second: every row stops early
+        for every in (1, 8, 5):
+            monkeypatch.setattr(hf, "STOP_CHECK_EVERY", every)
+            engine = HFEngine([stop], tok.pad_token_id)
+            engine.sync(model)
+            with torch.no_grad():
+                outs.append(engine._generate_chunk(prompts, greedy, torch.Generator().manual_seed(0), static=static))
+    first, alone = outs[0], outs[3]
+    assert alone.completion_ids[0] == first.completion_ids[0] and alone.finish_reasons == ["stop"]
+    for other in outs[4:]:
+        assert other.completion_ids == alone.completion_ids and other.sampler_logprobs == alone.sampler_logprobs
+    assert first.finish_reasons[0] == "stop" and first.completion_ids[0][-1] == stop and len(first.completion_ids[0]) <= 3
+    for other in outs[1:3]:
+        assert other.completion_ids == first.completion_ids and other.finish_reasons == first.finish_reasons
+        assert other.sampler_logprobs == first.sampler_logprobs
+
+
 def test_truncated_sampling_returns_the_log_probs_it_sampled_from():
     """top-k / top-p: the sampler log-prob is over the renormalised kept set (vLLM's
     processed_logprobs), so the trainer/sampler ratio carries the truncation."""

@@ -30,6 +30,10 @@ from qerl.rollout.base import Generation, RolloutEngine, SamplingSettings, pad_l
 from qerl.rollout.fast_linears import fused_projections, lean_lora_forward  # noqa: F401 (re-exported)
 
 ADAPTER_DTYPES = ("model", "stored")
+# Whether every row has stopped is read on the host (a sync) only every this-many tokens, so the
+# host queues the next steps while the GPU decodes; rows that stopped meanwhile decode padding,
+# which is cut off (at most STOP_CHECK_EVERY - 1 extra steps per chunk, no change to any output).
+STOP_CHECK_EVERY = 8
 
 log = logging.getLogger(__name__)
 
@@ -362,7 +366,7 @@ class HFEngine(RolloutEngine):
                 just_stopped = ~finished & torch.isin(nxt, stop)
                 lengths = torch.where(just_stopped, torch.full_like(lengths, t + 1), lengths)
                 finished |= just_stopped
-                if bool(finished.all()) or t + 1 == sampling.max_new_tokens:
+                if t + 1 == sampling.max_new_tokens or ((t + 1) % STOP_CHECK_EVERY == 0 and bool(finished.all())):
                     break
                 logits_bf = decoder.step(nxt)
         result = Generation([], [], [])
