@@ -37,3 +37,35 @@ def test_train_step_benchmark_tiny(tmp_path):
     spec.loader.exec_module(rollout_hf)                      # shadow the kernels package for later tests)
     ref = AutoModelForCausalLM.from_config(Qwen2Config(**rollout_hf.SHAPES["tiny"], tie_word_embeddings=False))
     assert abs(rows["bf16"]["weights_gb"] * 1024 ** 3 - 2 * sum(p.numel() for p in ref.parameters())) < 1
+
+
+def test_rollout_hf_benchmark_tiny_every_variant(tmp_path):
+    spec = importlib.util.spec_from_file_location("rollout_hf_bench", os.path.join(ROOT, "benchmarks", "rollout_hf.py"))
+    rollout_hf = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(rollout_hf)
+    variants = list(rollout_hf.VARIANTS)
+    out = tmp_path / "r.json"
+    r = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "rollout_hf.py"), "--shape", "tiny",
+                        "--batches", "1,2", "--prompt", "8", "--new", "6", "--modes", "eager",
+                        "--variants", ",".join(variants), "--out", str(out)],
+                       capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert r.returncode == 0, r.stderr[-3000:]
+    rows = json.loads(out.read_text())["rows"]
+    assert sorted({(x["quantization"], x["engine"], x["B"]) for x in rows}) == sorted(
+        (q, v, b) for q in ("bf16", "nvfp4") for v in variants for b in (1, 2))
+    assert all(math.isfinite(x["tok_s"]) and x["tok_s"] > 0 for x in rows)
+
+
+def test_wgmma_stages_variants_match_the_kernel_source():
+    """benchmarks/wgmma_stages.py edits the wgmma kernel's source text: every fragment it replaces
+    must still be there (the GPU run would stop at the first missing one)."""
+    spec = importlib.util.spec_from_file_location("wgmma_stages_bench", os.path.join(ROOT, "benchmarks", "wgmma_stages.py"))
+    stages = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(stages)
+    from kernels import nvfp4_wgmma
+    for variant, edits in stages.VARIANTS.items():
+        body = nvfp4_wgmma._BODY
+        for old, new in edits:
+            assert old in body, (variant, old[:60])
+            body = body.replace(old, new)
+        assert variant == "full" or body != nvfp4_wgmma._BODY
