@@ -117,3 +117,24 @@ def test_nf4_groups_are_left_alone():
     model = _policy("nf4")
     with torch.no_grad(), fused_projections(model, torch.float32) as n:
         assert n == 0
+
+
+def test_export_after_the_weights_became_views(tmp_path):
+    """After generation fused the storage, q/k/v's codes are row views of one buffer: the NVFP4
+    export still writes each linear's own rows."""
+    import os
+
+    from safetensors.torch import load_file
+
+    from qerl.export import export_nvfp4
+    model, tok = load_policy("tiny-qwen2", "nvfp4", LoraSettings(rank=4), dtype="fp32", device="cpu")
+    with torch.no_grad(), fused_projections(model.eval(), torch.float32) as n:
+        assert n == 2 * LAYERS
+    export_nvfp4(model, tok, tmp_path)
+    written = load_file(os.path.join(tmp_path, "model.safetensors"))
+    att = _attention(model)
+    for name in ("q_proj", "k_proj", "v_proj"):
+        w = getattr(att, name).base_layer.weight
+        key = f"model.layers.0.self_attn.{name}.weight_packed"
+        assert torch.equal(written[key], w.qdata)
+        assert torch.equal(written[key.replace("packed", "scale")].view(torch.uint8), w.scale.view(torch.uint8))
