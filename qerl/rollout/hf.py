@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from qerl.rollout.base import Generation, RolloutEngine, SamplingSettings, pad_left, stop_token_ids
-from qerl.rollout.fast_linears import fused_projections, lean_lora_forward  # noqa: F401 (re-exported)
+from qerl.rollout.fast_linears import fused_projections, lean_lora_forward
 
 ADAPTER_DTYPES = ("model", "stored")
 # Whether every row has stopped is read on the host (a sync) only every this-many tokens, so the
