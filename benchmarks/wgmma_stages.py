@@ -67,18 +67,9 @@ def kernel(variant: str, WG: int, TN: int, SMC: int):
 
 
 def launch(variant, x, q, s, p, y, WG, TN, SMC, split):
-    """``nvfp4_wgmma.forward``'s launch with the variant's kernel."""
-    M, K = x.shape
-    N = q.shape[0]
-    tiles_n, tiles_m = -(-N // (64 * WG)), -(-M // TN)
-    split, cps = S.chunk_split(K // 128, split)
-    ws, cnt = y, y
-    if split > 1:
-        ws = torch.empty(split * tiles_n * tiles_m * WG * 128 * (TN // 2), dtype=torch.float32, device=x.device)
-        cnt = L._counters(x.device, tiles_n * tiles_m)
-    kernel(variant, WG, TN, SMC)(grid=(tiles_n, split, tiles_m), block=(WG * 128, 1, 1),
-                                 args=[x, q, s.view(torch.uint8), p.reshape(1), y, ws, cnt, M, N, K,
-                                       x.stride(0), y.stride(0), cps])
+    """``nvfp4_wgmma.forward`` with the variant's kernel."""
+    W.forward(x, q, s.view(torch.uint8), p.reshape(1), y, lambda n: L._counters(x.device, n), L._num_sms(x.device),
+              WG=WG, TN=TN, split=split, SM_CTAS=SMC, kernel=kernel(variant, WG, TN, SMC))
 
 
 def main():

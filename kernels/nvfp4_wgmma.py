@@ -252,9 +252,10 @@ def _kernel(WG: int, TN: int, SM_CTAS: int, device: torch.device):
 
 
 def forward(x, qdata, scale_u8, pts, out, counters, num_sms: int, WG: int = 2, TN: int = 64,
-            split: int | None = None, SM_CTAS: int = 1):
+            split: int | None = None, SM_CTAS: int = 1, kernel=None):
     """out[M, N] = x[M, K] @ W^T * pts for bf16 x (see ``supported``); ``split`` None: enough
-    CTAs for ~2 per SM, each keeping >= 4 chunks."""
+    CTAs for ~2 per SM, each keeping >= 4 chunks. ``kernel``: another compilation of this source
+    with the same parameters (``benchmarks/wgmma_stages.py`` times edited variants)."""
     M, K = x.shape
     N = qdata.shape[0]
     tiles_n, tiles_m, chunks = -(-N // (64 * WG)), -(-M // TN), K // 128
@@ -267,7 +268,7 @@ def forward(x, qdata, scale_u8, pts, out, counters, num_sms: int, WG: int = 2, T
         cnt = counters(tiles_n * tiles_m)
     else:
         ws, cnt = out, out                      # not read
-    kern = _kernel(WG, TN, SM_CTAS, x.device)
+    kern = kernel or _kernel(WG, TN, SM_CTAS, x.device)
     kern(grid=(tiles_n, split, tiles_m), block=(WG * 128, 1, 1),
          args=[x, qdata, scale_u8, pts, out, ws, cnt, M, N, K, x.stride(0), out.stride(0), cps])
     return out

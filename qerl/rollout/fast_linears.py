@@ -58,15 +58,19 @@ def lora_state(module: nn.Module) -> tuple[str, tuple[torch.Tensor, torch.Tensor
 
 
 # ---------------------------------------------------------------------------- lean LoRA forward
-def _lean_lora_forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
-    """peft's LoRA ``Linear.forward`` in two GEMMs for generation: ``base(x) + (x A^T) (s B)^T``, the
-    add fused into cuBLAS' epilogue (``addmm``) and the scaling folded into a copy of B."""
-    result = self.base_layer(x, *args, **kwargs)
-    A, sB = self._qerl_lean                                       # (r, K), (N, r)
+def _plus_lora(result: torch.Tensor, x: torch.Tensor, A: torch.Tensor, sB: torch.Tensor) -> torch.Tensor:
+    """``result + (x A^T) sB^T`` in two GEMMs, the add fused into cuBLAS' epilogue (``addmm``)."""
     h = F.linear(x if x.dtype == A.dtype else x.to(A.dtype), A)  # (..., r)
     flat = torch.addmm(result.reshape(-1, result.shape[-1]), h.reshape(-1, h.shape[-1]).to(result.dtype),
                        sB.t().to(result.dtype))                  # (.to: no-ops when the dtypes agree)
     return flat.view(result.shape)
+
+
+def _lean_lora_forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+    """peft's LoRA ``Linear.forward`` in two GEMMs for generation: ``base(x) + (x A^T) (s B)^T``, the
+    scaling folded into a copy of B."""
+    A, sB = self._qerl_lean                                       # (r, K), (N, r)
+    return _plus_lora(self.base_layer(x, *args, **kwargs), x, A, sB)
 
 
 @contextlib.contextmanager
@@ -163,11 +167,8 @@ class _FusedGroup:
     def output(self, x: torch.Tensor, i: int) -> torch.Tensor:
         if self._x is not x or i not in self._left:
             y = F.linear(x, self.weight, self.bias)                  # (..., N_total): one kernel launch
-            if self.lora is not None:
-                A, sB = self.lora                                    # (R, K), (N_total, R) block-diagonal
-                h = F.linear(x if x.dtype == A.dtype else x.to(A.dtype), A)   # (..., R): one GEMM for all A's
-                y = torch.addmm(y.reshape(-1, y.shape[-1]), h.reshape(-1, h.shape[-1]).to(y.dtype),
-                                sB.t().to(y.dtype)).view(y.shape)
+            if self.lora is not None:                                # (R, K), (N_total, R) block-diagonal:
+                y = _plus_lora(y, x, *self.lora)                     # one GEMM for all A's, one for all B's
             self._x, self._outs, self._left = x, y.split(self.sizes, dim=-1), set(range(len(self.sizes)))
         out = self._outs[i]
         self._left.discard(i)
