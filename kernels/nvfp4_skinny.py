@@ -139,38 +139,55 @@ __device__ __forceinline__ float ld_cg(const float *p) {
   return v;
 }
 
+// The CTA's summed partials red[o] (shared memory; o = ((tile * TT_ + tt) * 4 + i) * 32 + lane over
+// its 16-row tiles, the MMA C fragment: i = 0, 1 row g, tokens 2t, 2t + 1; i = 2, 3 row g + 8) times
+// pts * 2^8 to y. With gridDim.y = split > 1 the CTAs of a tile meet through ws[split][tiles][TOTAL]
+// and the tile's self-resetting counter; the last to arrive sums in split order (deterministic).
+template <int TOTAL, int TT_>
+__device__ __forceinline__ void store_tiles(float *red, float *__restrict__ ws, int *__restrict__ cnt,
+                                            const float *__restrict__ pts, u16 *__restrict__ y,
+                                            int n0, int M, int N, int ldy) {
+  const float out_scale = *pts * 256.0f;
+  const int split = gridDim.y, nthr = blockDim.x;
+  if (split > 1) {
+    float *tile_ws = ws + (long)blockIdx.x * TOTAL;           // ws[split][tiles][TOTAL]
+    const long split_stride = (long)gridDim.x * TOTAL;
+    for (int o = threadIdx.x; o < TOTAL; o += nthr) tile_ws[blockIdx.y * split_stride + o] = red[o];
+    fence_gpu();
+    __syncthreads();
+    __shared__ int last;
+    if (threadIdx.x == 0) last = atomic_add_gpu(cnt + blockIdx.x, 1) == split - 1;
+    __syncthreads();
+    if (!last) return;
+    fence_gpu();
+    for (int o = threadIdx.x; o < TOTAL; o += nthr) {
+      float v = 0.f;
+      for (int s2 = 0; s2 < split; ++s2) v += ld_cg(tile_ws + s2 * split_stride + o);
+      red[o] = v;
+    }
+    if (threadIdx.x == 0) atomic_add_gpu(cnt + blockIdx.x, -split);   // back to 0: reusable, no memset
+  }
+  for (int o = threadIdx.x; o < TOTAL; o += nthr) {
+    const int ln = o & 31, i = (o >> 5) & 3, tt = (o >> 7) % TT_, tile = (o >> 7) / TT_;
+    const int row = n0 + 16 * tile + (ln >> 2) + 8 * (i >> 1);
+    const int tokn = 8 * tt + 2 * (ln & 3) + (i & 1);
+    if (row < N && tokn < M) {
+      u16 bits;
+      asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(bits) : "f"(red[o] * out_scale));
+      y[(long)tokn * ldy + row] = bits;
+    }
+  }
+}
 """
 
-_SRC = DEVICE_HELPERS + r"""
+# The per-thread fragment math shared with the warp-specialised experiment (benchmarks/stream_ws.py):
+# one 128-k chunk of R row tiles and TT token tiles, decoded and multiplied into acc.
+FRAGMENT_MATH = r"""
 struct Chunk {
   uint4 q[R][2];      // 16 bytes of rows g, g+8 of each row tile
   u32 s[R][2];        // the two e4m3 scales (groups 2t, 2t+1) of each of those rows
   uint4 x[TT][4];     // 32 bf16 activations of token g (+8 per token tile)
 };
-
-// Pointers of one thread, advanced by 2 * WARPS chunks per loop trip. Out-of-range rows and
-// tokens read row 0 / token 0 instead (valid memory); they only feed outputs that are never
-// stored (a row's output depends on that row alone, a token's on that token). K % 128 == 0.
-struct Ptrs {
-  const unsigned char *q[R][2];
-  const unsigned char *s[R][2];
-  const u16 *x[TT];
-};
-
-__device__ __forceinline__ void load(const Ptrs &p, int off, Chunk &ch) {
-  // off: 0 or WARPS (chunk offset from the pointers' current chunk)
-#pragma unroll
-  for (int r = 0; r < R; ++r)
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      ch.q[r][h] = ldg16(p.q[r][h] + off * 64);
-      ch.s[r][h] = ldg2(p.s[r][h] + off * 8);
-    }
-#pragma unroll
-  for (int tt = 0; tt < TT; ++tt)
-#pragma unroll
-    for (int i = 0; i < 4; ++i) ch.x[tt][i] = ldg16(p.x[tt] + off * 128 + 8 * i);
-}
 
 __device__ __forceinline__ void compute(const Chunk &cur, float (&acc)[R][TT][4]) {
   u32 sbf[R][2];                                            // [tile][row g / g+8]: groups (2t, 2t+1)
@@ -203,6 +220,33 @@ __device__ __forceinline__ void compute(const Chunk &cur, float (&acc)[R][TT][4]
     }
   }
 }
+"""
+
+_SRC = DEVICE_HELPERS + FRAGMENT_MATH + r"""
+// Pointers of one thread, advanced by 2 * WARPS chunks per loop trip. Out-of-range rows and
+// tokens read row 0 / token 0 instead (valid memory); they only feed outputs that are never
+// stored (a row's output depends on that row alone, a token's on that token). K % 128 == 0.
+struct Ptrs {
+  const unsigned char *q[R][2];
+  const unsigned char *s[R][2];
+  const u16 *x[TT];
+};
+
+__device__ __forceinline__ void load(const Ptrs &p, int off, Chunk &ch) {
+  // off: 0 or WARPS (chunk offset from the pointers' current chunk)
+#pragma unroll
+  for (int r = 0; r < R; ++r)
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      ch.q[r][h] = ldg16(p.q[r][h] + off * 64);
+      ch.s[r][h] = ldg2(p.s[r][h] + off * 8);
+    }
+#pragma unroll
+  for (int tt = 0; tt < TT; ++tt)
+#pragma unroll
+    for (int i = 0; i < 4; ++i) ch.x[tt][i] = ldg16(p.x[tt] + off * 128 + 8 * i);
+}
+
 
 extern "C" __global__ void __launch_bounds__(WARPS * 32, MIN_BLOCKS)
 nvfp4_skinny_fwd(const u16 *__restrict__ x, const unsigned char *__restrict__ q,
@@ -275,42 +319,13 @@ nvfp4_skinny_fwd(const u16 *__restrict__ x, const unsigned char *__restrict__ q,
 #pragma unroll
       for (int i = 0; i < 4; ++i) red[warp * PER_WARP + ((r * TT + tt) * 4 + i) * 32 + lane] = acc[r][tt][i];
   __syncthreads();
-  const float out_scale = *pts * 256.0f;
-  const int split = gridDim.y;
-  float *tile_ws = ws + (long)blockIdx.x * PER_WARP;        // ws[split][tiles][PER_WARP]
-  const long split_stride = (long)gridDim.x * PER_WARP;
   for (int o = threadIdx.x; o < PER_WARP; o += WARPS * 32) {
     float v = 0.f;
 #pragma unroll
     for (int w = 0; w < WARPS; ++w) v += red[w * PER_WARP + o];
     red[o] = v;                            // (each o is read and written by one thread only)
   }
-  if (split > 1) {
-    for (int o = threadIdx.x; o < PER_WARP; o += WARPS * 32) tile_ws[blockIdx.y * split_stride + o] = red[o];
-    fence_gpu();
-    __syncthreads();
-    __shared__ int last;
-    if (threadIdx.x == 0) last = atomic_add_gpu(cnt + blockIdx.x, 1) == split - 1;
-    __syncthreads();
-    if (!last) return;
-    fence_gpu();
-    for (int o = threadIdx.x; o < PER_WARP; o += WARPS * 32) {
-      float v = 0.f;
-      for (int s2 = 0; s2 < split; ++s2) v += ld_cg(tile_ws + s2 * split_stride + o);
-      red[o] = v;
-    }
-    if (threadIdx.x == 0) atomic_add_gpu(cnt + blockIdx.x, -split);   // back to 0: reusable, no memset
-  }
-  for (int o = threadIdx.x; o < PER_WARP; o += WARPS * 32) {
-    const int ln = o & 31, i = (o >> 5) & 3, tt = (o >> 7) % TT, r = (o >> 7) / TT;
-    const int row = n0 + 16 * r + (ln >> 2) + 8 * (i >> 1);
-    const int tokn = 8 * tt + 2 * (ln & 3) + (i & 1);
-    if (row < N && tokn < M) {
-      u16 bits;
-      asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(bits) : "f"(red[o] * out_scale));
-      y[(long)tokn * ldy + row] = bits;
-    }
-  }
+  store_tiles<PER_WARP, TT>(red, ws, cnt, pts, y, n0, M, N, ldy);
 }
 """
 

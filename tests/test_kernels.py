@@ -238,6 +238,25 @@ def test_skinny_source_compiles_without_spills():
         assert "0 bytes spill stores" in report and "stack frame" in report, report
 
 
+def test_stream_ws_benchmark_kernel_compiles_without_spills():
+    """benchmarks/stream_ws.py (the warp-specialised experiment) builds its kernel from the skinny
+    kernel's shared source pieces: every config and variant it times assembles for sm_90 with nvcc
+    (when present), in registers."""
+    import importlib.util
+    spec = importlib.util.spec_from_file_location(
+        "stream_ws_bench", os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks", "stream_ws.py"))
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    assert set(bench.VARIANTS) == {"full", "no_compute", "no_copy"}
+    for NC, R, CH, ST in bench.CONFIGS[:2] + [(4, 2, 2, 4)]:
+        for TT in (1, 2):
+            for variant in bench.VARIANTS:
+                src = bench.source(NC, R, TT, CH, ST, variant)
+                assert variant == "full" or src != bench.source(NC, R, TT, CH, ST)
+        report = _ptxas_report(bench.source(NC, R, 2, CH, ST), "sm_90")
+        assert "0 bytes spill stores" in report, report
+
+
 def _wgmma_candidates():
     from kernels import _launch as L
     return [c for c in L.candidates("fwd", 64) if c.kind == "wgmma"]
