@@ -407,8 +407,8 @@ def forward(x, qdata, scale_u8, pts, out, counters, num_sms: int, R: int = 1, WA
     M, K = x.shape
     N = qdata.shape[0]
     TT = 1 if M <= 8 else 2
-    if TT == 2:
-        SM_WARPS = min(SM_WARPS, 16)            # two token tiles need the 128 registers
+    if TT == 2:                                 # two token tiles need the registers: 128 (two row
+        SM_WARPS = min(SM_WARPS, 16 if R == 1 else 12)  # tiles spill there), 162 for two row tiles
     tiles, chunks = -(-N // (16 * R)), K // 128
     if split is None:
         split = auto_split(tiles, WARPS, chunks, num_sms)

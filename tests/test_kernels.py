@@ -233,8 +233,8 @@ def test_skinny_source_compiles_without_spills():
     """Each specialisation of the NVRTC source assembles for sm_90 with nvcc (when present) and
     keeps everything in registers (a spill would cost far more than the decode saves)."""
     from kernels import nvfp4_skinny
-    for R, TT, W in [(1, 1, 8), (2, 1, 8), (1, 2, 8), (2, 1, 4), (1, 1, 16)]:
-        report = _ptxas_report(nvfp4_skinny.source(R, TT, W), "sm_90")
+    for R, TT, W, SMW in [(1, 1, 8, 16), (2, 1, 8, 16), (1, 2, 8, 16), (2, 1, 4, 16), (1, 1, 16, 16), (2, 2, 4, 12)]:
+        report = _ptxas_report(nvfp4_skinny.source(R, TT, W, SMW), "sm_90")
         assert "0 bytes spill stores" in report and "stack frame" in report, report
 
 
