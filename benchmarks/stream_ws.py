@@ -232,8 +232,13 @@ VARIANTS = {
 _KERNELS = {}
 
 
+def auto_split(ctas: int, stages: int, num_sms: int) -> int:
+    """Splits of K for ~2 CTAs per SM, each CTA keeping >= 2 stages."""
+    return max(1, min(-(-2 * num_sms // ctas), stages // 2, 32))
+
+
 def launcher(NC, R, CH, STAGES, M, N, K, split=None, variant="full", num_sms=132):
-    """A thunk-maker run(x, (q, s, p), y) for one config and shape (split None: ~2 CTAs per SM)."""
+    """A thunk-maker run(x, (q, s, p), y) for one config and shape (split None: ``auto_split``)."""
     TT = 1 if M <= 8 else 2
     key = (NC, R, TT, CH, STAGES, variant)
     if key not in _KERNELS:
@@ -243,7 +248,7 @@ def launcher(NC, R, CH, STAGES, M, N, K, split=None, variant="full", num_sms=132
     kern = _KERNELS[key]
     ctas, stages = -(-N // (NC * R * 16)), K // (128 * CH)
     if split is None:
-        split = max(1, min(-(-2 * num_sms // ctas), stages // 2, 32))
+        split = auto_split(ctas, stages, num_sms)
     split, cps = S.chunk_split(stages, split)
     total = NC * R * TT * 128
     ws = torch.empty(max(1, split * ctas * total), dtype=torch.float32, device="cuda")
@@ -299,7 +304,7 @@ def main():
                     ctas, stages = -(-N // (NC * R * 16)), K // (128 * CH)
                     if K % (128 * CH):
                         continue
-                    auto = max(1, min(-(-264 // ctas), stages // 2, 32))
+                    auto = auto_split(ctas, stages, 132)
                     for split in sorted({1, max(1, auto // 2), auto}):
                         run, split = launcher(NC, R, CH, ST, M, N, K, split)
                         ms = graph_ms([lambda w=w: run(x, w, y) for w in ws])
