@@ -11,6 +11,7 @@
 #   bash benchmarks/h200_vllm.sh eval             # benchmarks/eval_base.py: GSM8K pass@1 of the three arms
 #   bash benchmarks/h200_vllm.sh evalvllm         # the same through the vLLM engine (one process per arm)
 #   bash benchmarks/h200_vllm.sh fitval           # a vLLM fit with validation in vLLM (sanity check + after step 4)
+#   bash benchmarks/h200_vllm.sh learn            # nvfp4 vs bf16 LoRA: LEARN_STEPS steps on GSM8K train, then GSM8K test
 #   bash benchmarks/h200_vllm.sh gspo             # 8 steps of the GSPO testbed recipe, embedded engine (no vLLM)
 # Logs and JSON land in $OUT (the device tool's return folder) or /tmp/out.
 set -u
@@ -79,6 +80,27 @@ for stage in "$@"; do
         --trainer.logger.init_args.save_dir logs/fit_vllm > "$OUT"/fit.log 2>&1
       echo "fit exit $?"; grep -v "^INFO\|^DEBUG" "$OUT"/fit.log | tail -15
       python3 benchmarks/tb_scalars.py logs/fit_vllm --out "$OUT"/fit_vllm_h200.json | tail -30
+      ;;
+    learn)  # QeRL (nvfp4) vs 16-bit LoRA (bf16) learning on GSM8K train, one GPU per arm when there are two
+      # (else the arms run one after the other), LEARN_STEPS optimizer steps at LEARN_LR, then validation
+      # on all of GSM8K test in the same vLLM; each arm's scalars -> $OUT/learn_<arm>.json
+      steps=${LEARN_STEPS:-80}; ngpu=$(nvidia-smi -L | wc -l); gpu=0
+      for arm in ${LEARN_ARMS:-nvfp4 bf16}; do
+        rm -rf logs/learn_$arm
+        CUDA_VISIBLE_DEVICES=$gpu timeout ${LEARN_TIMEOUT:-520} python3 train.py fit \
+          --config configs/testbed_qwen2.5-coder-0.5b_grpo_nvfp4_vllm.yaml --model.model $TESTBED \
+          --model.quantization $arm --model.optimizer.lr ${LEARN_LR:-1.0e-5} --trainer.max_steps $steps \
+          --trainer.val_check_interval $((steps / 2)) --data.val_sources '{gsm8k: data/gsm8k/test.jsonl}' \
+          --trainer.logger.init_args.save_dir logs/learn_$arm > "$OUT"/learn_$arm.log 2>&1 &
+        if [ "$ngpu" -ge 2 ]; then gpu=$((gpu + 1)); else wait; fi
+      done
+      wait
+      for arm in ${LEARN_ARMS:-nvfp4 bf16}; do
+        echo "== $arm"; grep -v "^INFO\|^DEBUG\|^(EngineCore" "$OUT"/learn_$arm.log | tail -4
+        python3 benchmarks/tb_scalars.py logs/learn_$arm --out "$OUT"/learn_$arm.json \
+          --tags train/reward,train/entropy,train/frac_reward_zero_std,aqn/sigma,train/completion_length/mean,val/gsm8k/pass@1 | tail -45
+        for f in logs/learn_$arm/*/version_*/eval/*.md; do cp "$f" "$OUT"/learn_${arm}_$(basename "$f"); done
+      done
       ;;
     bench)
       timeout 560 python3 benchmarks/rollout_vllm.py --out "$OUT"/rollout_vllm_h200.json > "$OUT"/bench.log 2>&1
