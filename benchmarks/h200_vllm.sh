@@ -86,10 +86,15 @@ for stage in "$@"; do
       # on all of GSM8K test in the same vLLM; each arm's scalars -> $OUT/learn_<arm>.json
       steps=${LEARN_STEPS:-80}; ngpu=$(nvidia-smi -L | wc -l); gpu=0
       for arm in ${LEARN_ARMS:-nvfp4 bf16}; do
-        rm -rf logs/learn_$arm
+        rm -rf logs/learn_$arm; cfg=configs/testbed_qwen2.5-coder-0.5b_grpo_nvfp4_vllm.yaml
+        if [ "${arm%-noaqn}" != "$arm" ]; then  # <quantization>-noaqn: the same recipe with sigma = 0
+          python3 -c "import yaml; c = yaml.safe_load(open('$cfg'))
+for cb in c['trainer']['callbacks']:
+    if cb['class_path'].endswith('AQNCallback'): cb['init_args']['controller'] = {'class_path': 'qerl.aqn.NoNoise'}
+yaml.safe_dump(c, open('/tmp/learn_$arm.yaml', 'w'))"; cfg=/tmp/learn_$arm.yaml
+        fi
         CUDA_VISIBLE_DEVICES=$gpu timeout ${LEARN_TIMEOUT:-520} python3 train.py fit \
-          --config configs/testbed_qwen2.5-coder-0.5b_grpo_nvfp4_vllm.yaml --model.model $TESTBED \
-          --model.quantization $arm --model.optimizer.lr ${LEARN_LR:-1.0e-5} --trainer.max_steps $steps \
+          --config $cfg --model.model $TESTBED --model.quantization ${arm%-noaqn} --model.optimizer.lr ${LEARN_LR:-1.0e-5} --trainer.max_steps $steps \
           --trainer.val_check_interval $((steps / 2)) --data.val_sources '{gsm8k: data/gsm8k/test.jsonl}' \
           --trainer.logger.init_args.save_dir logs/learn_$arm > "$OUT"/learn_$arm.log 2>&1 &
         if [ "$ngpu" -ge 2 ]; then gpu=$((gpu + 1)); else wait; fi
