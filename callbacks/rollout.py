@@ -44,6 +44,13 @@ def min_over_ranks(trainer, value: int, device) -> int:
     return int(reduced.item())
 
 
+def batch_reaches_multiple(step: int, steps_per_batch: int, every: int) -> bool:
+    """Whether a rollout batch starting at optimizer step ``step`` and taking ``steps_per_batch`` steps
+    (``updates_per_rollout``) covers a multiple of ``every``: per-N-steps events then fire once per N
+    optimizer steps whatever K is (``step % every == 0`` alone skips multiples that fall between batches)."""
+    return (-step) % every < steps_per_batch
+
+
 class RolloutCallback(L.Callback):
     """Generates and scores the rollout of every training step.
 
@@ -66,7 +73,8 @@ class RolloutCallback(L.Callback):
         max_refill_rounds: at most this many extra generation rounds per step for dynamic sampling.
         overlong_buffer: DAPO soft overlong punishment over the last this-many tokens (0 = off).
         overlong_penalty: the penalty reached at max_new_tokens.
-        log_completions_every_n_steps: how often to write the completions table (0 = never).
+        log_completions_every_n_steps: write the completions table every this many optimizer steps (at
+            the rollout batch whose updates include a multiple of it; 0 = never).
         num_completions_to_log: rows in that table.
         seed: base seed of the sampler (combined with the global step); null: the run's ``seed_everything``.
         vllm: settings of the vllm engine (GPU memory share, LoRA slot rank, sleep mode, export
@@ -190,7 +198,9 @@ class RolloutCallback(L.Callback):
             n = min_over_ranks(trainer, len(kept), pl_module.device)
             kept, dropped = kept[:n], dropped + kept[n:]
         batch["rollout"] = self._to_rollout(kept, len(dropped) if self.dynamic_sampling else 0, pl_module, timings)
-        self._maybe_log_table(trainer, batch["rollout"], step)
+        steps_per_batch = getattr(getattr(pl_module, "loss_settings", None), "updates_per_rollout", 1)
+        if self.log_every > 0 and batch_reaches_multiple(step, steps_per_batch, self.log_every):
+            self._log_table(trainer, batch["rollout"], step)
 
     def _sample_groups(self, prompt_ids, prompts, answers, pl_module, step, round_, timings):
         """Generate G completions per prompt and score them; returns (kept groups, dropped groups)."""
@@ -256,8 +266,8 @@ class RolloutCallback(L.Callback):
             timings=timings, num_groups_dropped=num_dropped,
         )
 
-    def _maybe_log_table(self, trainer, rollout: Rollout, step: int) -> None:
-        if self.log_every <= 0 or step % self.log_every or not trainer.is_global_zero:
+    def _log_table(self, trainer, rollout: Rollout, step: int) -> None:
+        if not trainer.is_global_zero:
             return
         logger = next((lg for lg in trainer.loggers if isinstance(lg, TensorBoardLogger)), None)
         if logger is None:

@@ -25,6 +25,7 @@ import contextlib
 import logging
 import math
 import time
+import warnings
 from dataclasses import dataclass
 from typing import Literal
 
@@ -110,6 +111,22 @@ class OptimizerSettings:
     warmup_ratio: float = 0.1
     schedule: Literal["cosine", "linear", "constant"] = "cosine"
     max_grad_norm: float = 0.2
+
+
+def checkpoint_interval_warnings(callbacks: list, updates_per_rollout: int) -> list[str]:
+    """One message per ``ModelCheckpoint(every_n_train_steps=n)`` whose n is not a multiple of
+    ``updates_per_rollout``: Lightning saves when ``global_step % n == 0``, and global_step grows by
+    ``updates_per_rollout`` per training step, so such a callback saves only every lcm(n, K) steps."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    out = []
+    for cb in callbacks:
+        n = getattr(cb, "_every_n_train_steps", 0) if isinstance(cb, ModelCheckpoint) else 0
+        if n > 0 and n % updates_per_rollout:
+            out.append(f"ModelCheckpoint(every_n_train_steps={n}) will save every {math.lcm(n, updates_per_rollout)} "
+                       f"optimizer steps: global_step grows by updates_per_rollout={updates_per_rollout} per rollout "
+                       f"batch; use a multiple of {updates_per_rollout}")
+    return out
 
 
 def lr_factor(step: int, total: int, warmup_ratio: float, schedule: str) -> float:
@@ -212,10 +229,17 @@ class QeRLModule(EvaluationMixin, L.LightningModule):
         torch.nn.parallel.DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(self, frozen)
 
     def configure_callbacks(self):
-        """Lightning's summary prints params x 4 B as the model size; this one the real bytes (NVFP4 packed)."""
+        """Lightning's summary prints params x 4 B as the model size; this one the real bytes (NVFP4 packed).
+        Also warns when a checkpoint interval cannot be met (see :func:`checkpoint_interval_warnings`)."""
         from callbacks.summary import replace_default_summary
 
         replace_default_summary(self.trainer.callbacks)
+        for message in checkpoint_interval_warnings(self.trainer.callbacks, self.loss_settings.updates_per_rollout):
+            rank_zero_warn(message)
+        # Lightning 2.6 asks manual-optimization modules to stash a "pre-optimization" copy of the
+        # weights for step checkpoints; here the post-step state is the right one (it pairs with the
+        # optimizer state and global_step that resume continues from), so its multi-line advice is noise.
+        warnings.filterwarnings("ignore", message="Using ModelCheckpoint with manual optimization")
         return []
 
     def trainable_parameters(self) -> list[torch.nn.Parameter]:

@@ -168,3 +168,28 @@ def test_generation_seed_differs_per_rank_and_keeps_rank_0():
     assert generation_seed(7, 3, 1) == (7 * 1_000_003 + 3) * 16 + 1 == generation_seed(7, 3, 1, rank=0)
     seeds = {generation_seed(s, step, r, rank) for s in (0, 1) for step in range(50) for r in range(16) for rank in range(8)}
     assert len(seeds) == 2 * 50 * 16 * 8                       # no two (seed, step, round, rank) collide
+
+
+def test_per_n_step_events_fire_once_per_n_optimizer_steps_whatever_updates_per_rollout():
+    from callbacks.rollout import batch_reaches_multiple
+
+    for k in (1, 2, 3, 4):
+        starts = range(0, 400, k)  # the optimizer step each rollout batch starts at
+        fired = [s for s in starts if batch_reaches_multiple(s, k, 50)]
+        multiples = range(0, starts[-1] + k, 50)  # every multiple of 50 the run's steps reach
+        # one batch per multiple: the one whose steps s .. s + k - 1 include it
+        assert len(fired) == len(multiples), (k, fired)
+        assert all(s <= m < s + k for s, m in zip(fired, multiples)), (k, fired)
+    assert [s for s in range(0, 20) if batch_reaches_multiple(s, 1, 5)] == [0, 5, 10, 15]
+
+
+def test_checkpoint_interval_not_a_multiple_of_updates_per_rollout_warns():
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    from lightning_modules.qerl_module import checkpoint_interval_warnings
+
+    cbs = [ModelCheckpoint(every_n_train_steps=50), ModelCheckpoint(every_n_train_steps=100), ModelCheckpoint()]
+    (msg,) = checkpoint_interval_warnings(cbs, updates_per_rollout=4)
+    assert "every_n_train_steps=50" in msg and "every 100 optimizer steps" in msg
+    assert checkpoint_interval_warnings(cbs, updates_per_rollout=2) == []
+    assert checkpoint_interval_warnings(cbs, updates_per_rollout=1) == []
