@@ -69,3 +69,13 @@ def test_wgmma_stages_variants_match_the_kernel_source():
             assert old in body, (variant, old[:60])
             body = body.replace(old, new)
         assert variant == "full" or body != nvfp4_wgmma._BODY
+
+
+def test_decode_layout_search_finds_partitions_when_they_exist():
+    from benchmarks.decode_layout_search import M, exact_cover, funnel_windows
+
+    byte = tuple(range(8))  # a contiguous byte tiles a word with 4 shifts
+    assert sorted(exact_cover(32, funnel_windows(1, byte))) == [(0, 0, 0), (0, 0, 8), (0, 0, 16), (0, 0, 24)]
+    split = (0, 1, 2, 9, 16, 17, 18, 25)  # M moved down by 6: still no partition
+    assert exact_cover(32, funnel_windows(1, split)) is None
+    assert exact_cover(32, funnel_windows(1, M)) is None and exact_cover(64, funnel_windows(2, M)) is None
