@@ -203,6 +203,7 @@ class OscillatingSchedule(NoiseController):
         self.reheat_amplitude, self.reheat_decay, self.relative = reheat_amplitude, reheat_decay, relative
         self.reheat_width = float(reheat_width) if reheat_width is not None else period / 4.0
         self.warmup_steps, self.max_steps = int(warmup_steps), max_steps
+        self._prev_step: int | None = None  # the step of the previous call (for the logged reheat flag)
 
     def _envelope(self, step: int, max_steps: int) -> float:
         frac = min(max(step, 0) / max_steps, 1.0)
@@ -227,7 +228,11 @@ class OscillatingSchedule(NoiseController):
             if self.relative:
                 height *= self._envelope(j * self.period, n)
             bump = height * math.exp(-(step - j * self.period) / self.reheat_width)
-        self.last_decision = {"reheat": float(j >= 1 and step % self.period == 0), "bump": bump}
+        # reheat = 1 at the first call in a new stage: with updates_per_rollout K > 1 the controller sees
+        # every K-th step only, and a re-heat step j * period may fall between two calls
+        prev, self._prev_step = self._prev_step, step
+        started = step % self.period == 0 if prev is None or prev >= step else prev < j * self.period
+        self.last_decision = {"reheat": float(j >= 1 and started), "bump": bump}
         return env + bump
 
 

@@ -102,6 +102,10 @@ def test_oscillating_reheats_at_configured_steps(relative):
     sig = [osc.sigma(s) for s in range(600)]
     reheats = [s for s in range(600) if (osc.sigma(s), osc.last_decision["reheat"])[1] == 1.0]
     assert reheats == [100, 200, 300, 400, 500]
+    # every third step only (updates_per_rollout = 3): the flag marks the first call past each re-heat
+    osc3 = OscillatingSchedule(1e-2, 5e-4, period=100, max_steps=600)
+    flagged = [s for s in range(0, 600, 3) if (osc3.sigma(s), osc3.last_decision["reheat"])[1] == 1.0]
+    assert flagged == [102, 201, 300, 402, 501]
     for s in range(1, 600):  # decreasing except exactly at the re-heats
         assert (sig[s] > sig[s - 1]) == (s in reheats)
     env = [osc._envelope(s, 600) for s in reheats]
