@@ -113,6 +113,21 @@ class OptimizerSettings:
     max_grad_norm: float = 0.2
 
 
+# Lightning warnings whose advice does not apply to this module (silenced when a run starts):
+_LIGHTNING_ADVICE_THAT_DOES_NOT_APPLY = (
+    # step checkpoints should hold a "pre-optimization" copy of the weights: here the post-step state is
+    # the right one, it pairs with the optimizer state and global_step that resume continues from
+    "Using ModelCheckpoint with manual optimization",
+    # prompts are strings, tokenized in the collate: a worker process would only add start-up time
+    "The '(train|val|test)_dataloader' does not have many workers",
+    # intended: on_after_batch_transfer restores a resumed run's RNG (see there)
+    "You have overridden `on_after_batch_transfer`",
+    # the x-axis and the eval metrics are the same on every rank (the eval records are gathered first);
+    # vLLM initialises torch.distributed even on one GPU, which is what triggers the advice there
+    r"It is recommended to use `self.log\('(step|val/|test/)",
+)
+
+
 def checkpoint_interval_warnings(callbacks: list, updates_per_rollout: int) -> list[str]:
     """One message per ``ModelCheckpoint(every_n_train_steps=n)`` whose n is not a multiple of
     ``updates_per_rollout``: Lightning saves when ``global_step % n == 0``, and global_step grows by
@@ -236,10 +251,8 @@ class QeRLModule(EvaluationMixin, L.LightningModule):
         replace_default_summary(self.trainer.callbacks)
         for message in checkpoint_interval_warnings(self.trainer.callbacks, self.loss_settings.updates_per_rollout):
             rank_zero_warn(message)
-        # Lightning 2.6 asks manual-optimization modules to stash a "pre-optimization" copy of the
-        # weights for step checkpoints; here the post-step state is the right one (it pairs with the
-        # optimizer state and global_step that resume continues from), so its multi-line advice is noise.
-        warnings.filterwarnings("ignore", message="Using ModelCheckpoint with manual optimization")
+        for message in _LIGHTNING_ADVICE_THAT_DOES_NOT_APPLY:
+            warnings.filterwarnings("ignore", message=message)
         return []
 
     def trainable_parameters(self) -> list[torch.nn.Parameter]:
