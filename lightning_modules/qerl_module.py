@@ -34,7 +34,7 @@ import torch
 from lightning.pytorch.utilities import rank_zero_warn
 
 from qerl.losses import group_advantages, policy_loss, selective_log_softmax, entropy_from_logits, masked_mean
-from qerl.losses import truncated_is_weights
+from qerl.losses import high_entropy_mask, truncated_is_weights
 from lightning_modules.evaluation import EvalSettings, EvaluationMixin  # noqa: F401  (EvalSettings: the CLI's model.eval)
 from qerl.model import LoraSettings, load_policy, load_tokenizer
 from qerl.rollout import Rollout
@@ -66,6 +66,11 @@ class LossSettings:
         tis_mode: truncate (TIS: min(w, cap)) or mask (MIS: drop tokens with w > cap).
         tis_cap: the cap; null disables importance-sampling correction.
         mask_truncated: exclude completions that hit max_new_tokens from the loss (DAPO overlong filtering).
+        top_entropy_quantile: apply the clipped surrogate only to the tokens whose entropy is in this top
+            share of the rollout batch (e.g. 0.2: "Beyond the 80/20 rule"; TRL's top_entropy_quantile);
+            the entropies are the pre-update policy's (one no-grad pass), so the chosen tokens stay the
+            same over the K updates and for any micro_batch_size; normalizers and the KL term are
+            unchanged, as in TRL. 1.0 (default) trains on every token.
     """
 
     advantage_scale: Literal["group", "batch", "none"] = "group"
@@ -81,6 +86,7 @@ class LossSettings:
     tis_mode: Literal["truncate", "mask"] = "truncate"
     tis_cap: float | None = 2.0
     mask_truncated: bool = False
+    top_entropy_quantile: float = 1.0
 
     def __post_init__(self) -> None:  # a bad YAML value fails at start, naming its key
         for key in ("updates_per_rollout", "micro_batch_size"):
@@ -88,6 +94,8 @@ class LossSettings:
                 raise ValueError(f"model.loss.{key} must be >= 1, got {getattr(self, key)}")
         if self.tis_cap is not None and not self.tis_cap > 0:
             raise ValueError(f"model.loss.tis_cap must be > 0 (or null: no IS correction), got {self.tis_cap}")
+        if not 0 < self.top_entropy_quantile <= 1:
+            raise ValueError(f"model.loss.top_entropy_quantile must be in (0, 1], got {self.top_entropy_quantile}")
         if self.clip_low < 0 or self.clip_high < 0 or self.kl_coef < 0 or self.entropy_coef < 0:
             raise ValueError("model.loss.clip_low, clip_high, kl_coef and entropy_coef must be >= 0")
 
@@ -316,11 +324,18 @@ class QeRLModule(EvaluationMixin, L.LightningModule):
             input_ids[mb], attention_mask[mb], rollout.completion_ids[mb], rollout.temperature, **kw)
 
         # 2. no-grad passes
-        old_logprobs = ref_logprobs = None
+        old_logprobs = ref_logprobs = high_entropy = None
+        top_entropy = s.top_entropy_quantile < 1.0
         with torch.no_grad():
-            if s.updates_per_rollout > 1:
+            if s.updates_per_rollout > 1 or top_entropy:
                 with self._training_noise():
-                    old_logprobs = torch.cat([lp(mb)[0] for mb in micro_batches])  # (N, T)
+                    passes = [lp(mb, with_entropy=top_entropy) for mb in micro_batches]
+                if s.updates_per_rollout > 1:
+                    old_logprobs = torch.cat([logprobs for logprobs, _ in passes])  # (N, T)
+                if top_entropy:  # the rollout's forking tokens, fixed for the K updates
+                    entropies = torch.cat([h for _, h in passes])  # (N, T)
+                    high_entropy = high_entropy_mask(entropies, loss_mask, s.top_entropy_quantile)  # (N, T)
+                del passes
             if s.kl_coef > 0:
                 noise_off = self.noisy_norms.disable() if self.noisy_norms is not None else contextlib.nullcontext()
                 with self.model.disable_adapter(), noise_off:
@@ -341,6 +356,9 @@ class QeRLModule(EvaluationMixin, L.LightningModule):
                 if s.tis_cap is not None:
                     is_weights = truncated_is_weights(old, rollout.sampler_logprobs[mb], loss_mask[mb],
                                                       level=s.tis_level, mode=s.tis_mode, cap=s.tis_cap)
+                if high_entropy is not None:  # the surrogate on those tokens only (a 0/1 token weight)
+                    keep = high_entropy[mb].to(logprobs.dtype)
+                    is_weights = keep if is_weights is None else is_weights * keep
                 loss, metrics = policy_loss(
                     logprobs, old, advantages[mb], loss_mask[mb], clip_low=s.clip_low, clip_high=s.clip_high,
                     aggregation=s.aggregation, ratio_level=s.ratio_level, is_weights=is_weights,

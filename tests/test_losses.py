@@ -7,6 +7,7 @@ import torch
 from torch.testing import assert_close
 
 from qerl.losses import (
+    high_entropy_mask,
     aggregate_loss,
     entropy_from_logits,
     group_advantages,
@@ -393,3 +394,14 @@ def test_selective_log_softmax_gradcheck():
     logits = torch.randn(2, 3, 5, dtype=F64, generator=g).requires_grad_()
     ids = torch.randint(0, 5, (2, 3), generator=g)
     assert torch.autograd.gradcheck(lambda z: selective_log_softmax(z, ids, chunk_size=4), (logits,))
+
+
+def test_high_entropy_mask_keeps_the_top_share_of_valid_tokens():
+    entropy = torch.tensor([[0.1, 0.9, 0.5, 7.0], [0.3, 0.7, 0.2, 0.8]])
+    mask = torch.tensor([[1, 1, 1, 0], [1, 1, 1, 1]])  # 7.0 is padding: never kept, never counted
+    keep = high_entropy_mask(entropy, mask, 2 / 7)  # 7 valid tokens: threshold at the 5/7 quantile
+    assert keep.tolist() == [[False, True, False, False], [False, False, False, True]]
+    assert high_entropy_mask(entropy, mask, 1.0).tolist() == mask.bool().tolist()
+    ties = torch.full((1, 5), 0.5)
+    assert high_entropy_mask(ties, torch.ones(1, 5), 0.2).all()  # equal entropies: ties kept
+    assert not high_entropy_mask(entropy, torch.zeros(2, 4), 0.2).any()

@@ -285,3 +285,19 @@ def test_sequence_ratio_gspo(policy, mismatched, tmp_path):
     scale = max_abs(token.grads[0])
     assert max_diff(token.grads[0], seq.grads[0]) <= 1e-5 * scale
     assert max_diff(token.grads[1], seq.grads[1]) > 1e-3 * max_abs(token.grads[1])
+
+
+def test_top_entropy_quantile_trains_on_the_forking_tokens_only(policy, mismatched, tmp_path):
+    """top_entropy_quantile < 1 changes the update and 1.0 is the plain objective; the chosen tokens
+    come from one pre-update pass over the whole rollout, so the update does not depend on the
+    micro-batch size. (One update per rollout: at this test's large LR a second update finds every
+    kept token clipped, a zero gradient that would make the comparison vacuous.)"""
+    kw = dict(max_grad_norm=1e9, tis_cap=None)
+    plain = fit(policy, mismatched, tmp_path / "plain", **kw)
+    assert_same_update(fit(policy, mismatched, tmp_path / "all", top_entropy_quantile=1.0, **kw), plain, "quantile 1")
+    top = fit(policy, mismatched, tmp_path / "top", top_entropy_quantile=0.3, micro_batch_size=8, **kw)
+    assert_different_update(top, plain, "top 30% entropy tokens")
+    small = fit(policy, mismatched, tmp_path / "small", top_entropy_quantile=0.3, micro_batch_size=3, **kw)
+    assert_same_update(top, small, "top 30% with micro-batches of 8 and 3")
+    with pytest.raises(ValueError, match="top_entropy_quantile"):
+        LossSettings(top_entropy_quantile=0.0)
