@@ -6,7 +6,8 @@ bottom:
 
 1. group-normalized advantages (group std, batch std, or none);
 2. no-grad passes: old log-probs (only when there is more than one update per rollout; otherwise
-   the live log-probs *are* the old ones) and reference log-probs with the adapter disabled and
+   the live log-probs *are* the old ones), the token entropies that pick the high-entropy tokens
+   (only with ``top_entropy_quantile < 1``), and reference log-probs with the adapter disabled and
    AQN noise off (only when ``kl_coef > 0``);
 3. ``updates_per_rollout`` optimizer steps, each accumulating gradients over micro-batches of the
    clipped surrogate (separate low/high clip), k3 KL, optional entropy bonus, truncated importance
