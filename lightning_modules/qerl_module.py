@@ -24,10 +24,8 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import math
 import time
 import warnings
-from dataclasses import dataclass
 from typing import Literal
 
 import lightning as L
@@ -36,134 +34,14 @@ from lightning.pytorch.utilities import rank_zero_warn
 
 from qerl.losses import group_advantages, policy_loss, selective_log_softmax, entropy_from_logits, masked_mean
 from qerl.losses import high_entropy_mask, truncated_is_weights
+from lightning_modules.settings import LIGHTNING_ADVICE_THAT_DOES_NOT_APPLY, checkpoint_interval_warnings, lr_factor
+from lightning_modules.settings import LossSettings, OptimizerSettings  # noqa: F401  (the CLI's model.loss / model.optimizer)
 from lightning_modules.evaluation import EvalSettings, EvaluationMixin  # noqa: F401  (EvalSettings: the CLI's model.eval)
 from qerl.model import LoraSettings, load_policy, load_tokenizer
 from qerl.rollout import Rollout
 from qerl.seeding import global_rng_state, resolve_seed, set_global_rng_state
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class LossSettings:
-    """The RL objective.
-
-    Args:
-        advantage_scale: divide (r - group mean) by the group std, the batch std, or nothing (Dr.GRPO).
-        aggregation: grpo (mean per sequence, then over sequences), bnpo (token mean per micro-batch),
-            dapo (token mean over the whole rollout batch), dr_grpo (sum / (N * max_new_tokens)).
-        clip_low: ratio lower clip epsilon (1 - clip_low).
-        clip_high: ratio upper clip epsilon (1 + clip_high); 0.28 is DAPO's clip-higher.
-        ratio_level: token (PPO/GRPO) or sequence (GSPO: one length-normalised ratio per completion,
-            clipped as a whole; use GSPO's tight clips, e.g. clip_low 3e-4 and clip_high 4e-4).
-        kl_coef: weight of the k3 KL to the reference (adapter disabled, no noise); 0 skips that pass.
-        entropy_coef: weight of an entropy bonus (verl's entropy_coeff; the classic alternative to
-            AQN for keeping exploration up): minus entropy_coef x token entropy, aggregated like the
-            loss. 0 (default) keeps the entropy a logged, detached metric; > 0 backpropagates through
-            it, which keeps an fp32 (tokens x vocab) softmax per micro-batch alive for backward.
-        updates_per_rollout: optimizer steps per rollout batch (QeRL GSM8K: 4; BigMath: 1).
-        micro_batch_size: completions per forward/backward (gradient accumulation inside an update).
-        tis_level: importance weights per token or per sequence (trainer vs sampler log-probs).
-        tis_mode: truncate (TIS: min(w, cap)) or mask (MIS: drop tokens with w > cap).
-        tis_cap: the cap; null disables importance-sampling correction.
-        mask_truncated: exclude completions that hit max_new_tokens from the loss (DAPO overlong filtering).
-        top_entropy_quantile: apply the clipped surrogate only to the tokens whose entropy is in this top
-            share of the rollout batch (e.g. 0.2: "Beyond the 80/20 rule"; TRL's top_entropy_quantile);
-            the entropies are the pre-update policy's (one no-grad pass), so the chosen tokens stay the
-            same over the K updates and for any micro_batch_size; normalizers and the KL term are
-            unchanged, as in TRL. 1.0 (default) trains on every token.
-    """
-
-    advantage_scale: Literal["group", "batch", "none"] = "group"
-    aggregation: Literal["grpo", "bnpo", "dapo", "dr_grpo"] = "grpo"
-    clip_low: float = 0.2
-    clip_high: float = 0.2
-    ratio_level: Literal["token", "sequence"] = "token"
-    kl_coef: float = 0.0
-    entropy_coef: float = 0.0
-    updates_per_rollout: int = 1
-    micro_batch_size: int = 8
-    tis_level: Literal["token", "sequence"] = "token"
-    tis_mode: Literal["truncate", "mask"] = "truncate"
-    tis_cap: float | None = 2.0
-    mask_truncated: bool = False
-    top_entropy_quantile: float = 1.0
-
-    def __post_init__(self) -> None:  # a bad YAML value fails at start, naming its key
-        for key in ("updates_per_rollout", "micro_batch_size"):
-            if int(getattr(self, key)) < 1:
-                raise ValueError(f"model.loss.{key} must be >= 1, got {getattr(self, key)}")
-        if self.tis_cap is not None and not self.tis_cap > 0:
-            raise ValueError(f"model.loss.tis_cap must be > 0 (or null: no IS correction), got {self.tis_cap}")
-        if not 0 < self.top_entropy_quantile <= 1:
-            raise ValueError(f"model.loss.top_entropy_quantile must be in (0, 1], got {self.top_entropy_quantile}")
-        if self.clip_low < 0 or self.clip_high < 0 or self.kl_coef < 0 or self.entropy_coef < 0:
-            raise ValueError("model.loss.clip_low, clip_high, kl_coef and entropy_coef must be >= 0")
-
-
-@dataclass
-class OptimizerSettings:
-    """AdamW and its learning-rate schedule (QeRL: lr 1e-5, betas (0.9, 0.99), wd 0.1, 10% warmup, cosine).
-
-    Args:
-        lr: peak learning rate.
-        weight_decay: decoupled weight decay.
-        betas: AdamW betas.
-        warmup_ratio: fraction of ``trainer.max_steps`` spent warming up linearly from 0.
-        schedule: shape after warmup: cosine to 0, linear to 0, or constant.
-        max_grad_norm: gradient clipping threshold (total L2 norm).
-    """
-
-    lr: float = 1e-5
-    weight_decay: float = 0.1
-    betas: tuple[float, float] = (0.9, 0.99)
-    warmup_ratio: float = 0.1
-    schedule: Literal["cosine", "linear", "constant"] = "cosine"
-    max_grad_norm: float = 0.2
-
-
-# Lightning warnings whose advice does not apply to this module (silenced when a run starts):
-_LIGHTNING_ADVICE_THAT_DOES_NOT_APPLY = (
-    # step checkpoints should hold a "pre-optimization" copy of the weights: here the post-step state is
-    # the right one, it pairs with the optimizer state and global_step that resume continues from
-    "Using ModelCheckpoint with manual optimization",
-    # prompts are strings, tokenized in the collate: a worker process would only add start-up time
-    "The '(train|val|test)_dataloader' does not have many workers",
-    # intended: on_after_batch_transfer restores a resumed run's RNG (see there)
-    "You have overridden `on_after_batch_transfer`",
-    # the x-axis and the eval metrics are the same on every rank (the eval records are gathered first);
-    # vLLM initialises torch.distributed even on one GPU, which is what triggers the advice there
-    r"It is recommended to use `self.log\('(step|val/|test/)",
-)
-
-
-def checkpoint_interval_warnings(callbacks: list, updates_per_rollout: int) -> list[str]:
-    """One message per ``ModelCheckpoint(every_n_train_steps=n)`` whose n is not a multiple of
-    ``updates_per_rollout``: Lightning saves when ``global_step % n == 0``, and global_step grows by
-    ``updates_per_rollout`` per training step, so such a callback saves only every lcm(n, K) steps."""
-    from lightning.pytorch.callbacks import ModelCheckpoint
-
-    out = []
-    for cb in callbacks:
-        n = getattr(cb, "_every_n_train_steps", 0) if isinstance(cb, ModelCheckpoint) else 0
-        if n > 0 and n % updates_per_rollout:
-            out.append(f"ModelCheckpoint(every_n_train_steps={n}) will save every {math.lcm(n, updates_per_rollout)} "
-                       f"optimizer steps: global_step grows by updates_per_rollout={updates_per_rollout} per rollout "
-                       f"batch; use a multiple of {updates_per_rollout}")
-    return out
-
-
-def lr_factor(step: int, total: int, warmup_ratio: float, schedule: str) -> float:
-    """Multiplier of the peak LR at optimizer step ``step`` of ``total``."""
-    warmup = int(warmup_ratio * total)
-    if step < warmup:
-        return (step + 1) / (warmup + 1)
-    progress = min(1.0, (step - warmup) / max(1, total - warmup))
-    if schedule == "cosine":
-        return 0.5 * (1.0 + math.cos(math.pi * progress))
-    if schedule == "linear":
-        return 1.0 - progress
-    return 1.0
 
 
 class QeRLModule(EvaluationMixin, L.LightningModule):
@@ -260,7 +138,7 @@ class QeRLModule(EvaluationMixin, L.LightningModule):
         replace_default_summary(self.trainer.callbacks)
         for message in checkpoint_interval_warnings(self.trainer.callbacks, self.loss_settings.updates_per_rollout):
             rank_zero_warn(message)
-        for message in _LIGHTNING_ADVICE_THAT_DOES_NOT_APPLY:
+        for message in LIGHTNING_ADVICE_THAT_DOES_NOT_APPLY:
             warnings.filterwarnings("ignore", message=message)
         return []
 

@@ -186,7 +186,7 @@ def test_per_n_step_events_fire_once_per_n_optimizer_steps_whatever_updates_per_
 def test_checkpoint_interval_not_a_multiple_of_updates_per_rollout_warns():
     from lightning.pytorch.callbacks import ModelCheckpoint
 
-    from lightning_modules.qerl_module import checkpoint_interval_warnings
+    from lightning_modules.settings import checkpoint_interval_warnings
 
     cbs = [ModelCheckpoint(every_n_train_steps=50), ModelCheckpoint(every_n_train_steps=100), ModelCheckpoint()]
     (msg,) = checkpoint_interval_warnings(cbs, updates_per_rollout=4)
