@@ -276,3 +276,39 @@ def test_capture_failure_falls_back_to_eager_gpu(caplog):
     torch.rand(8, device="cuda").sum().item()  # the default CUDA generator is no longer "capturing"
     torch.cuda.synchronize()
     torch.cuda.empty_cache()
+
+
+def test_cache_keyword_follows_the_installed_transformers():
+    """transformers 5.2x names the KV cache `cache` (dropping `past_key_values` in 5.40); the GPU image's
+    5.17 knows only `past_key_values`: the engine asks the model's own forward, through peft too."""
+    from qerl.rollout.hf import cache_keyword, returned_cache
+
+    class Old(torch.nn.Module):
+        def forward(self, input_ids=None, past_key_values=None, use_cache=None):
+            return {"past_key_values": "kv"}
+
+    class New(torch.nn.Module):
+        def forward(self, input_ids=None, cache=None, use_cache=None):
+            return {"cache": "kv"}
+
+    class Wrapped(torch.nn.Module):  # like peft's PeftModel: forward(**kwargs), the real one underneath
+        def __init__(self, base):
+            super().__init__()
+            self.base = base
+
+        def get_base_model(self):
+            return self.base
+
+        def forward(self, *args, **kwargs):
+            return self.base(*args, **kwargs)
+
+    assert cache_keyword(Old()) == "past_key_values" and cache_keyword(Wrapped(Old())) == "past_key_values"
+    assert cache_keyword(New()) == "cache" and cache_keyword(Wrapped(New())) == "cache"
+    assert returned_cache({"cache": 1}) == 1
+    import transformers
+
+    tiny = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(vocab_size=32, hidden_size=16, intermediate_size=32,
+                                                                  num_hidden_layers=1, num_attention_heads=2,
+                                                                  num_key_value_heads=1))
+    out = tiny(input_ids=torch.tensor([[1, 2]]), use_cache=True)
+    assert returned_cache(out) is not None

@@ -20,7 +20,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-import warnings
+import inspect
 from typing import Literal
 
 import torch
@@ -52,24 +52,32 @@ def filter_logits(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tenso
     return logits
 
 
-# transformers >= 5.2x renames `past_key_values` to `cache`; the GPU image (5.17) only has the old name.
-warnings.filterwarnings("ignore", message=".*past_key_values.*deprecated.*")
+def cache_keyword(model) -> str:
+    """The forward keyword of the KV cache: ``cache`` since transformers 5.2x (which deprecates the old
+    name and drops it in 5.40), ``past_key_values`` before (the GPU image's 5.17 knows only that)."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model  # peft forwards **kwargs
+    return "cache" if "cache" in inspect.signature(base.forward).parameters else "past_key_values"
+
+
+def returned_cache(out):
+    """The KV cache of a forward's output, under either name (see :func:`cache_keyword`)."""
+    return out["cache"] if "cache" in out else out.past_key_values
 
 
 class _DynamicDecoder:
     """HF's dynamic KV cache: prefill, then one eager forward per token."""
 
     def __init__(self, model, ids, mask, positions):
-        self.model, self.mask, self.positions = model, mask, positions
+        self.model, self.mask, self.positions, self.cache_kw = model, mask, positions, cache_keyword(model)
         out = model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True, logits_to_keep=1)
-        self.cache, self.logits = out.past_key_values, out.logits[:, -1]  # (B, V)
+        self.cache, self.logits = returned_cache(out), out.logits[:, -1]  # (B, V)
 
     def step(self, nxt: torch.Tensor) -> torch.Tensor:
         self.mask = torch.cat([self.mask, torch.ones_like(self.mask[:, :1])], 1)
         self.positions = self.positions[:, -1:] + 1
         out = self.model(input_ids=nxt[:, None], attention_mask=self.mask, position_ids=self.positions,
-                         past_key_values=self.cache, use_cache=True)
-        self.cache = out.past_key_values
+                         use_cache=True, **{self.cache_kw: self.cache})
+        self.cache = returned_cache(out)
         return out.logits[:, -1]
 
 
@@ -88,7 +96,7 @@ class _StaticDecoder:
         B, P = ids.shape
         L = P + max_new_tokens
         dev = ids.device
-        self.model, self.slot = model, P
+        self.model, self.slot, self.cache_kw = model, P, cache_keyword(model)
         self.use_graph, self._warmed, self.graph = graph, False, None  # graph: captured on the second step
         config = model.config
         self.cache = StaticCache(config=config, max_cache_len=L)
@@ -99,7 +107,7 @@ class _StaticDecoder:
         self.dtype = next(p for p in model.parameters() if p.is_floating_point()).dtype
         self.eager = getattr(config, "_attn_implementation", "sdpa") == "eager"  # additive float masks
         out = model(input_ids=ids, attention_mask=self._mask(sees[:, None]), position_ids=positions,
-                    past_key_values=self.cache, use_cache=True, logits_to_keep=1)
+                    use_cache=True, logits_to_keep=1, **{self.cache_kw: self.cache})
         self.logits = out.logits[:, -1]  # (B, V)
         # the static inputs of the decode step, updated in place
         self.tok = torch.zeros(B, 1, dtype=torch.long, device=dev)
@@ -115,7 +123,7 @@ class _StaticDecoder:
 
     def _forward(self) -> torch.Tensor:
         return self.model(input_ids=self.tok, attention_mask=self.step_mask, position_ids=self.pos,
-                          past_key_values=self.cache, use_cache=True).logits[:, -1]
+                          use_cache=True, **{self.cache_kw: self.cache}).logits[:, -1]
 
     def step(self, nxt: torch.Tensor) -> torch.Tensor:
         self.tok.copy_(nxt[:, None])
