@@ -25,6 +25,7 @@ import argparse
 import json
 import logging
 import shutil
+import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -33,7 +34,7 @@ import torch.nn as nn
 from safetensors.torch import load_file, save_file
 from transformers import PreTrainedTokenizerBase
 
-from qerl.model import SHARED_SCALE_GROUPS, _parse_dtype, load_policy
+from qerl.model import SHARED_SCALE_GROUPS, LoraSettings, _parse_dtype, load_policy, lora_config
 from qerl.nvfp4 import BLOCK_SIZE, NVFP4WeightTensor
 
 log = logging.getLogger(__name__)
@@ -255,6 +256,33 @@ def export_adapter(peft_model: nn.Module, out_dir: str | Path) -> Path:
     return out
 
 
+def adapter_from_checkpoint(ckpt_path: str | Path, out_dir: str | Path) -> Path:
+    """The adapter of a training checkpoint (``.ckpt``: the trainable tensors and the module's
+    hyper-parameters), written as :func:`export_adapter` writes it at the end of a run, without loading
+    the base model: to serve or evaluate any step of a run, also one that did not finish."""
+    ckpt = torch.load(str(ckpt_path), map_location="cpu", weights_only=False)  # Lightning's own pickle
+    hp, state = ckpt.get("hyper_parameters") or {}, ckpt.get("state_dict") or {}
+    lora = hp.get("lora") or {}
+    settings = lora if isinstance(lora, LoraSettings) else LoraSettings(**lora)
+    adapter, norms = {}, {}
+    for key, tensor in state.items():
+        name = key[len("model."):] if key.startswith("model.") else key  # QeRLModule.model
+        if _is_adapter(name):  # peft's own naming on save: the adapter name ("default") dropped
+            adapter[name.replace(".default", "")] = tensor.contiguous()
+        else:
+            norms[hf_name(name)] = tensor.contiguous()
+    if not adapter:
+        raise ValueError(f"{ckpt_path}: no LoRA tensors in its state_dict (not a qerl training checkpoint?)")
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    lora_config(settings, hp.get("model")).save_pretrained(str(out))
+    save_file(adapter, str(out / "adapter_model.safetensors"), metadata={"format": "pt"})
+    (out / TRAINABLE_NORMS_FILE).unlink(missing_ok=True)
+    if norms:
+        save_file(norms, str(out / TRAINABLE_NORMS_FILE), metadata={"format": "pt"})
+    return out
+
+
 def load_adapter(model: nn.Module, adapter_dir: str | Path) -> nn.Module:
     """Inverse of :func:`export_adapter`: wrap ``model`` with the saved adapter and load the
     trainable norms (marked trainable again, so a re-export writes them too)."""
@@ -294,22 +322,31 @@ _CLI_EPILOG = """\
 writes into --out: config.json (+ quantization_config for nvfp4), model.safetensors (or shards +
 index), generation_config.json, the tokenizer, and with --adapter: adapter/ (peft adapter_model.
 safetensors + adapter_config.json, plus trainable_norms.safetensors when norms were trained).
+--adapter may also be a training checkpoint (.ckpt, e.g. checkpoints/<run>/last.ckpt); --format adapter
+writes only its adapter into --out (no --model needed, nothing loaded but the checkpoint).
 
 examples:
   python -m qerl.export --model Qwen/Qwen2.5-7B-Instruct --format nvfp4 --out exports/q7b-nvfp4 --device cuda
   python -m qerl.export --model Qwen/Qwen2.5-7B-Instruct --adapter logs/run/version_0/adapter --out exports/rl
   vllm serve exports/rl --enable-lora --lora-modules policy=exports/rl/adapter
+  python -m qerl.export --format adapter --adapter checkpoints/run/last.ckpt --out exports/rl-step600
 """
 
 
 def _check_paths(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     """Refuse, before minutes of loading, an output that would clobber the input or an earlier export."""
     out = Path(args.out).expanduser().resolve()
-    if Path(args.model).expanduser().exists() and Path(args.model).expanduser().resolve() in (out, *out.parents):
+    if args.format == "adapter" and not str(args.adapter or "").endswith(".ckpt"):
+        parser.error("--format adapter converts a training checkpoint: pass --adapter PATH.ckpt")
+    if args.format != "adapter" and not args.model:
+        parser.error("--model is required (unless --format adapter)")
+    if args.adapter and str(args.adapter).endswith(".ckpt") and not Path(args.adapter).is_file():
+        parser.error(f"--adapter {args.adapter}: no such checkpoint file")
+    if args.model and Path(args.model).expanduser().exists() and Path(args.model).expanduser().resolve() in (out, *out.parents):
         parser.error(f"--out {args.out} would overwrite the model being exported ({args.model})")
     if out.is_file() or (out.is_dir() and any(out.iterdir()) and not args.overwrite):
         parser.error(f"--out {args.out} exists and is not empty (pass --overwrite to replace an earlier export)")
-    if args.adapter and not (Path(args.adapter) / "adapter_config.json").is_file():
+    if args.adapter and not str(args.adapter).endswith(".ckpt") and not (Path(args.adapter) / "adapter_config.json").is_file():
         parser.error(f"--adapter {args.adapter}: no adapter_config.json there (a peft adapter directory)")
     if args.adapter and args.format == "bf16" and not args.from_nvfp4:
         log.warning("--format bf16 --adapter: the adapter was trained on the NVFP4 base; --from-nvfp4 exports "
@@ -319,11 +356,13 @@ def _check_paths(parser: argparse.ArgumentParser, args: argparse.Namespace) -> N
 def main(argv: list[str] | None = None) -> Path:
     parser = argparse.ArgumentParser(prog="python -m qerl.export", description=__doc__.split("\n\n")[0],
                                      epilog=_CLI_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", required=True, help="tiny-qwen2 | tiny-llama | model dir | HF id | .gguf")
-    parser.add_argument("--format", choices=["nvfp4", "bf16"], default="nvfp4")
+    parser.add_argument("--model", help="tiny-qwen2 | tiny-llama | model dir | HF id | .gguf")
+    parser.add_argument("--format", choices=["nvfp4", "bf16", "adapter"], default="nvfp4",
+                        help="adapter: only the adapter of the --adapter checkpoint")
     parser.add_argument("--out", required=True, help="output directory (new or empty, or see --overwrite)")
     parser.add_argument("--overwrite", action="store_true", help="replace the export already in --out")
-    parser.add_argument("--adapter", default=None, help="peft adapter dir (written by export_adapter / save_pretrained)")
+    parser.add_argument("--adapter", default=None,
+                        help="peft adapter dir (written by export_adapter / save_pretrained) or a training .ckpt")
     parser.add_argument("--dtype", default="bf16", choices=["bf16", "fp16"], help="dtype of the 16-bit tensors")
     parser.add_argument("--device", default="cpu", help="where to quantize (cuda is faster for big models)")
     parser.add_argument("--from-nvfp4", action="store_true",
@@ -332,13 +371,21 @@ def main(argv: list[str] | None = None) -> Path:
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     _check_paths(parser, args)
+    if args.format == "adapter":
+        shutil.rmtree(args.out, ignore_errors=True)  # an empty dir or --overwrite, checked above
+        out = adapter_from_checkpoint(args.adapter, args.out)
+        print(out)
+        return out
     quantization = "nvfp4" if args.format == "nvfp4" or args.from_nvfp4 else "bf16"
     try:
         model, tokenizer = load_policy(args.model, quantization, None, dtype=args.dtype, device=args.device,
                                        seed=args.seed)
     except (OSError, ValueError) as err:  # unknown model path / id, unreadable GGUF
         parser.error(f"cannot load --model {args.model}: {err}")
-    if args.adapter:
+    if args.adapter and str(args.adapter).endswith(".ckpt"):
+        with tempfile.TemporaryDirectory() as tmp:
+            model = load_adapter(model, adapter_from_checkpoint(args.adapter, tmp))
+    elif args.adapter:
         model = load_adapter(model, args.adapter)
     shutil.rmtree(Path(args.out) / ADAPTER_SUBDIR, ignore_errors=True)  # never leave an earlier run's adapter
     export = export_nvfp4 if args.format == "nvfp4" else export_bf16

@@ -221,19 +221,27 @@ class LoraSettings:
     trainable_norms: bool = False
 
 
+def lora_config(settings: LoraSettings, base_model: str | None = None):
+    """peft's ``LoraConfig`` for these settings (``base_model``: recorded in ``adapter_config.json``)."""
+    from peft import LoraConfig
+
+    return LoraConfig(
+        r=settings.rank, lora_alpha=settings.alpha, lora_dropout=settings.dropout,
+        target_modules=list(settings.target_modules), bias="none", task_type="CAUSAL_LM",
+        base_model_name_or_path=base_model,
+    )
+
+
 def add_lora(model: PreTrainedModel, settings: LoraSettings) -> nn.Module:
     """Freeze the base and wrap the target linears with peft LoRA (NVFP4 linears become peft's
     ``TorchaoLoraLinear``, since our weight subclasses ``TorchAOBaseTensor``)."""
-    from peft import LoraConfig, get_peft_model
+    from peft import get_peft_model
 
     for p in model.parameters():
         p.requires_grad_(False)
     # Never call peft's prepare_model_for_kbit_training: it reassigns `.data` of every 16-bit
     # param to fp32, which corrupts wrapper-subclass weights (research/torchao_nvfp4.md §5.3).
-    config = LoraConfig(
-        r=settings.rank, lora_alpha=settings.alpha, lora_dropout=settings.dropout,
-        target_modules=list(settings.target_modules), bias="none", task_type="CAUSAL_LM",
-    )
+    config = lora_config(settings)
     with warnings.catch_warnings():
         # peft warns that merge() cannot re-quantize our subclass: intended, we never merge into FP4.
         warnings.filterwarnings("ignore", message=".*get_apply_tensor_subclass.*")

@@ -325,3 +325,48 @@ def test_unshared_group_scales_are_refused(tmp_path):
     k.per_tensor_scale = k.per_tensor_scale * 2  # q/k/v no longer share one scale: vLLM would misdecode them
     with pytest.raises(ValueError, match=r"q_proj,k_proj,v_proj\} have different per-tensor scales"):
         export_nvfp4(model, tok, tmp_path)
+
+
+@pytest.mark.parametrize("lora_as", ["dict", "settings"])
+def test_training_checkpoint_to_adapter(tmp_path, lora_as):
+    """A trainer checkpoint (only trainable tensors + hyper-parameters, as QeRLModule writes it) becomes
+    the same peft adapter the end of a run writes, without the base model; it reloads to the trained
+    logits, and the CLI takes it alone (--format adapter) or with a base export."""
+    from lightning_modules.qerl_module import QeRLModule
+    from qerl.export import adapter_from_checkpoint
+
+    settings = LoraSettings(rank=4, alpha=8, trainable_norms=True)
+    module = QeRLModule(model="tiny-qwen2", quantization="nvfp4", dtype="fp32", seed=SEED,
+                        lora=settings if lora_as == "settings" else vars(settings))
+    trained, _ = _trained_lora_policy(dtype="fp32")
+    module.model = trained
+    ckpt = {"state_dict": module.state_dict(), "hyper_parameters": dict(module.hparams)}
+    module.on_save_checkpoint(ckpt)  # keeps the trainable tensors only
+    torch.save(ckpt, tmp_path / "last.ckpt")
+
+    got = adapter_from_checkpoint(tmp_path / "last.ckpt", tmp_path / "from_ckpt")
+    want = export_adapter(trained, tmp_path / "from_run")
+    for name in ("adapter_model.safetensors", TRAINABLE_NORMS_FILE):
+        a, b = load_file(got / name), load_file(want / name)
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), name
+    cfg_a, cfg_b = (json.loads((d / "adapter_config.json").read_text()) for d in (got, want))
+    for key in ("r", "lora_alpha", "lora_dropout", "target_modules", "task_type", "bias"):
+        assert (sorted(cfg_a[key]) if key == "target_modules" else cfg_a[key]) == \
+               (sorted(cfg_b[key]) if key == "target_modules" else cfg_b[key]), key
+    assert cfg_a["base_model_name_or_path"] == "tiny-qwen2"
+
+    fresh, _ = load_policy("tiny-qwen2", "nvfp4", None, dtype="fp32", seed=SEED)
+    ids = _ids(3)
+    with torch.no_grad():
+        assert torch.equal(load_adapter(fresh, got)(ids).logits, trained(ids).logits)
+
+    if lora_as == "dict":  # the CLI, once
+        alone = main(["--format", "adapter", "--adapter", str(tmp_path / "last.ckpt"), "--out", str(tmp_path / "a")])
+        assert load_file(alone / "adapter_model.safetensors").keys() == load_file(want / "adapter_model.safetensors").keys()
+        full = main(["--model", "tiny-qwen2", "--seed", str(SEED), "--adapter", str(tmp_path / "last.ckpt"),
+                     "--out", str(tmp_path / "full")])
+        assert (full / ADAPTER_SUBDIR / "adapter_model.safetensors").is_file()
+        with pytest.raises(SystemExit):
+            main(["--format", "adapter", "--adapter", str(tmp_path / "missing.ckpt"), "--out", str(tmp_path / "b")])
+        with pytest.raises(SystemExit):
+            main(["--format", "adapter", "--out", str(tmp_path / "c")])
