@@ -239,21 +239,24 @@ class OscillatingSchedule(NoiseController):
 class AdaptiveNoise(NoiseController):
     """Closed loop: boost a base schedule's sigma when the reward plateaus or the entropy collapses.
 
-    Each step with a full window of history, the monitor takes the moving average (MA) of the last
-    ``window`` mean rewards. An MA above the best MA so far by more than ``epsilon`` is an improvement
-    (and ends a running boost: relax to the base). A plateau is ``window`` steps without an improvement
-    since the last improvement or the last boost; with ``entropy_floor`` set, an entropy MA below the
-    floor also triggers. On a trigger sigma = clip(base * boost, sigma_min, sigma_max) for ``cooldown``
-    steps. ``last_decision`` logs {"plateau": 0/1, "boost": applied factor, "reward_ma", "entropy_ma"}.
-    Call ``sigma`` once per step; a repeated call for the same step returns the cached value.
+    The monitor counts in rollout batches (one ``sigma`` call and one reward / entropy entry per
+    training step; with ``updates_per_rollout`` K a batch spans K optimizer steps, and the base
+    schedule still reads the optimizer step). Each call with a full window of history takes the moving
+    average (MA) of the last ``window`` mean rewards. An MA above the best MA so far by more than
+    ``epsilon`` is an improvement (and ends a running boost: relax to the base). A plateau is ``window``
+    batches without an improvement since the last improvement or the last boost; with
+    ``entropy_floor`` set, an entropy MA below the floor also triggers. On a trigger sigma =
+    clip(base * boost, sigma_min, sigma_max) for ``cooldown`` batches. ``last_decision`` logs
+    {"plateau": 0/1, "boost": applied factor, "reward_ma", "entropy_ma"}. A repeated call for the same
+    step returns the cached value.
 
     Args:
         base: Schedule being boosted; None = ExponentialSchedule().
-        window: Steps of the moving average, and of no improvement that make a plateau.
+        window: Rollout batches of the moving average, and of no improvement that make a plateau.
         epsilon: Smallest MA reward gain that counts as an improvement.
         boost: Factor applied to the base sigma during a boost.
         sigma_max: Upper bound of a boosted sigma.
-        cooldown: Steps a boost is held (unless the reward improves first).
+        cooldown: Rollout batches a boost is held (unless the reward improves first).
         entropy_floor: Also boost while the entropy MA is below this; None disables.
         sigma_min: Lower bound of a boosted sigma (so a plateau in a noise-free stage still adds noise).
     """
@@ -266,8 +269,9 @@ class AdaptiveNoise(NoiseController):
         self.window, self.epsilon, self.boost, self.sigma_max = int(window), epsilon, boost, sigma_max
         self.cooldown, self.entropy_floor, self.sigma_min = int(cooldown), entropy_floor, sigma_min
         self.best_ma: float | None = None
-        self.clock_step: int | None = None  # last improvement or last boost start
-        self.boost_until = -1  # boosted while step < boost_until
+        self.calls = 0  # rollout batches seen: the clock of the plateau logic (steps jump by K)
+        self.clock: int | None = None  # the call of the last improvement or the last boost start
+        self.boost_until = -1  # boosted while the call index < boost_until
         self.last_step: int | None = None
         self.last_sigma = 0.0
 
@@ -282,18 +286,19 @@ class AdaptiveNoise(NoiseController):
             return self.last_sigma
         state = state if state is not None else MonitorState()
         base = self.base.sigma(step, state)
+        t, self.calls = self.calls, self.calls + 1
         reward_ma, ent_ma = self._ma(state.rewards), self._ma(state.entropies)
         if reward_ma is not None:
             if self.best_ma is None or reward_ma > self.best_ma + self.epsilon:
                 if self.best_ma is not None:
-                    self.boost_until = min(self.boost_until, step)  # improving: relax to base
-                self.best_ma, self.clock_step = reward_ma, step
-        if step >= self.boost_until:
-            stalled = self.clock_step is not None and step - self.clock_step >= self.window
+                    self.boost_until = min(self.boost_until, t)  # improving: relax to base
+                self.best_ma, self.clock = reward_ma, t
+        if t >= self.boost_until:
+            stalled = self.clock is not None and t - self.clock >= self.window
             collapsed = self.entropy_floor is not None and ent_ma is not None and ent_ma < self.entropy_floor
             if stalled or collapsed:
-                self.boost_until, self.clock_step = step + self.cooldown, step
-        boosted = step < self.boost_until
+                self.boost_until, self.clock = t + self.cooldown, t
+        boosted = t < self.boost_until
         sigma = min(max(base * self.boost, self.sigma_min), self.sigma_max) if boosted else base
         self.last_decision = {
             "plateau": float(boosted),
@@ -304,7 +309,7 @@ class AdaptiveNoise(NoiseController):
         self.last_step, self.last_sigma = step, sigma
         return sigma
 
-    _STATE = ("best_ma", "clock_step", "boost_until", "last_step", "last_sigma", "last_decision")
+    _STATE = ("best_ma", "calls", "clock", "boost_until", "last_step", "last_sigma", "last_decision")
 
     def state_dict(self) -> dict:
         d = {k: getattr(self, k) for k in self._STATE}

@@ -114,11 +114,12 @@ def test_oscillating_reheats_at_configured_steps(relative):
     assert sig[0] == pytest.approx(1e-2) and osc.stage(250) == 2
 
 
-def _drive(ctrl: NoiseController, rewards, state: MonitorState | None = None, start: int = 0):
+def _drive(ctrl: NoiseController, rewards, state: MonitorState | None = None, start: int = 0, stride: int = 1):
+    """One call per rollout batch, ``stride`` optimizer steps apart (updates_per_rollout)."""
     state = state or MonitorState(max_steps=600)
     out = []
-    for step, r in enumerate(rewards, start=start):
-        out.append((ctrl.sigma(step, state), dict(ctrl.last_decision)))
+    for i, r in enumerate(rewards):
+        out.append((ctrl.sigma(start + i * stride, state), dict(ctrl.last_decision)))
         state.rewards.append(r)
         state.entropies.append(1.0)
     return out, state
@@ -133,6 +134,9 @@ def test_adaptive_boosts_on_flat_reward_only():
     assert all(s == 1e-3 and d["plateau"] == 0.0 for s, d in rising)
     capped, _ = _drive(AdaptiveNoise(base=base, window=5, boost=100.0, sigma_max=2e-2), [0.1] * 20)
     assert capped[-1][0] == 2e-2
+    # 4 optimizer steps per rollout batch: window and cooldown still count batches (the same calls boost)
+    strided, _ = _drive(AdaptiveNoise(base=base, window=10, epsilon=0.01, boost=2.0, cooldown=10), [0.5] * 40, stride=4)
+    assert [d["plateau"] for _, d in strided] == [d["plateau"] for _, d in flat]
 
 
 def test_adaptive_relaxes_when_reward_improves_and_watches_entropy():
