@@ -59,7 +59,7 @@ class QeRLModule(EvaluationMixin, L.LightningModule):
             (evaluate or continue a trained adapter); null starts from peft's init (B = 0, i.e. the base).
         gradient_checkpointing: recompute activations in backward (long completions on big models).
         seed: seeds the tiny model's random init (real models ignore it); null: ``seed_everything``.
-        warn_after_steps: warn when reward std is 0 or >= 90% of completions are truncated this many steps in a row.
+        warn_after_steps: warn when reward std is 0 or >= 90% of completions are truncated this many rollout batches in a row.
     """
 
     def __init__(
