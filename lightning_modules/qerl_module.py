@@ -35,7 +35,7 @@ from lightning.pytorch.utilities import rank_zero_warn
 from qerl.losses import group_advantages, policy_loss, selective_log_softmax, entropy_from_logits, masked_mean
 from qerl.losses import high_entropy_mask, truncated_is_weights
 from lightning_modules.settings import LIGHTNING_ADVICE_THAT_DOES_NOT_APPLY, checkpoint_interval_warnings, lr_factor
-from lightning_modules.settings import LossSettings, OptimizerSettings  # noqa: F401  (the CLI's model.loss / model.optimizer)
+from lightning_modules.settings import LossSettings, OptimizerSettings  # noqa: F401  (the CLI's model.loss, .optimizer)
 from lightning_modules.evaluation import EvalSettings, EvaluationMixin  # noqa: F401  (EvalSettings: the CLI's model.eval)
 from qerl.model import LoraSettings, load_policy, load_tokenizer
 from qerl.rollout import Rollout
@@ -59,7 +59,8 @@ class QeRLModule(EvaluationMixin, L.LightningModule):
             (evaluate or continue a trained adapter); null starts from peft's init (B = 0, i.e. the base).
         gradient_checkpointing: recompute activations in backward (long completions on big models).
         seed: seeds the tiny model's random init (real models ignore it); null: ``seed_everything``.
-        warn_after_steps: warn when reward std is 0 or >= 90% of completions are truncated this many rollout batches in a row.
+        warn_after_steps: warn when reward std is 0 or >= 90% of completions are truncated this many rollout
+            batches in a row.
     """
 
     def __init__(

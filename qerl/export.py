@@ -336,17 +336,19 @@ examples:
 def _check_paths(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     """Refuse, before minutes of loading, an output that would clobber the input or an earlier export."""
     out = Path(args.out).expanduser().resolve()
-    if args.format == "adapter" and not str(args.adapter or "").endswith(".ckpt"):
+    is_ckpt = str(args.adapter or "").endswith(".ckpt")
+    if args.format == "adapter" and not is_ckpt:
         parser.error("--format adapter converts a training checkpoint: pass --adapter PATH.ckpt")
     if args.format != "adapter" and not args.model:
         parser.error("--model is required (unless --format adapter)")
-    if args.adapter and str(args.adapter).endswith(".ckpt") and not Path(args.adapter).is_file():
+    if is_ckpt and not Path(args.adapter).is_file():
         parser.error(f"--adapter {args.adapter}: no such checkpoint file")
-    if args.model and Path(args.model).expanduser().exists() and Path(args.model).expanduser().resolve() in (out, *out.parents):
+    model_path = Path(args.model).expanduser() if args.model else None
+    if model_path is not None and model_path.exists() and model_path.resolve() in (out, *out.parents):
         parser.error(f"--out {args.out} would overwrite the model being exported ({args.model})")
     if out.is_file() or (out.is_dir() and any(out.iterdir()) and not args.overwrite):
         parser.error(f"--out {args.out} exists and is not empty (pass --overwrite to replace an earlier export)")
-    if args.adapter and not str(args.adapter).endswith(".ckpt") and not (Path(args.adapter) / "adapter_config.json").is_file():
+    if args.adapter and not is_ckpt and not (Path(args.adapter) / "adapter_config.json").is_file():
         parser.error(f"--adapter {args.adapter}: no adapter_config.json there (a peft adapter directory)")
     if args.adapter and args.format == "bf16" and not args.from_nvfp4:
         log.warning("--format bf16 --adapter: the adapter was trained on the NVFP4 base; --from-nvfp4 exports "
