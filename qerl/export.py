@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import pickle
 import shutil
 import tempfile
 from collections.abc import Callable, Iterator
@@ -355,6 +356,14 @@ def _check_paths(parser: argparse.ArgumentParser, args: argparse.Namespace) -> N
                     "that base (dequantized) instead of the original 16-bit weights")
 
 
+def _checkpoint_adapter(parser: argparse.ArgumentParser, ckpt: str, out: str | Path) -> Path:
+    """:func:`adapter_from_checkpoint` with an unreadable or foreign checkpoint as a one-line CLI error."""
+    try:
+        return adapter_from_checkpoint(ckpt, out)
+    except (OSError, RuntimeError, ValueError, TypeError, KeyError, pickle.UnpicklingError) as err:
+        parser.error(f"cannot read the adapter of --adapter {ckpt}: {err}")
+
+
 def main(argv: list[str] | None = None) -> Path:
     parser = argparse.ArgumentParser(prog="python -m qerl.export", description=__doc__.split("\n\n")[0],
                                      epilog=_CLI_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -374,8 +383,7 @@ def main(argv: list[str] | None = None) -> Path:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     _check_paths(parser, args)
     if args.format == "adapter":
-        shutil.rmtree(args.out, ignore_errors=True)  # an empty dir or --overwrite, checked above
-        out = adapter_from_checkpoint(args.adapter, args.out)
+        out = _checkpoint_adapter(parser, args.adapter, args.out)
         print(out)
         return out
     quantization = "nvfp4" if args.format == "nvfp4" or args.from_nvfp4 else "bf16"
@@ -386,7 +394,7 @@ def main(argv: list[str] | None = None) -> Path:
         parser.error(f"cannot load --model {args.model}: {err}")
     if args.adapter and str(args.adapter).endswith(".ckpt"):
         with tempfile.TemporaryDirectory() as tmp:
-            model = load_adapter(model, adapter_from_checkpoint(args.adapter, tmp))
+            model = load_adapter(model, _checkpoint_adapter(parser, args.adapter, tmp))
     elif args.adapter:
         model = load_adapter(model, args.adapter)
     shutil.rmtree(Path(args.out) / ADAPTER_SUBDIR, ignore_errors=True)  # never leave an earlier run's adapter

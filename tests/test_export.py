@@ -370,3 +370,9 @@ def test_training_checkpoint_to_adapter(tmp_path, lora_as):
             main(["--format", "adapter", "--adapter", str(tmp_path / "missing.ckpt"), "--out", str(tmp_path / "b")])
         with pytest.raises(SystemExit):
             main(["--format", "adapter", "--out", str(tmp_path / "c")])
+        (tmp_path / "broken.ckpt").write_bytes(b"not a checkpoint")
+        with pytest.raises(SystemExit):
+            main(["--format", "adapter", "--adapter", str(tmp_path / "broken.ckpt"), "--out", str(tmp_path / "d")])
+        torch.save({"state_dict": {}, "hyper_parameters": {}}, tmp_path / "empty.ckpt")
+        with pytest.raises(SystemExit):
+            main(["--format", "adapter", "--adapter", str(tmp_path / "empty.ckpt"), "--out", str(tmp_path / "e")])
