@@ -251,10 +251,15 @@ def export_adapter(peft_model: nn.Module, out_dir: str | Path) -> Path:
     peft_model.save_pretrained(out)
     norms = {hf_name(n): p.detach().cpu().contiguous() for n, p in peft_model.named_parameters()
              if p.requires_grad and not _is_adapter(n)}
+    _write_trainable_norms(out, norms)
+    return out
+
+
+def _write_trainable_norms(out: Path, norms: dict[str, torch.Tensor]) -> None:
+    """``trainable_norms.safetensors`` beside an adapter, or none (an earlier run's file removed)."""
     (out / TRAINABLE_NORMS_FILE).unlink(missing_ok=True)
     if norms:
         save_file(norms, str(out / TRAINABLE_NORMS_FILE), metadata={"format": "pt"})
-    return out
 
 
 def adapter_from_checkpoint(ckpt_path: str | Path, out_dir: str | Path) -> Path:
@@ -278,9 +283,7 @@ def adapter_from_checkpoint(ckpt_path: str | Path, out_dir: str | Path) -> Path:
     out.mkdir(parents=True, exist_ok=True)
     lora_config(settings, hp.get("model")).save_pretrained(str(out))
     save_file(adapter, str(out / "adapter_model.safetensors"), metadata={"format": "pt"})
-    (out / TRAINABLE_NORMS_FILE).unlink(missing_ok=True)
-    if norms:
-        save_file(norms, str(out / TRAINABLE_NORMS_FILE), metadata={"format": "pt"})
+    _write_trainable_norms(out, norms)
     return out
 
 

@@ -263,8 +263,9 @@ def policy_loss(
         completion, s = exp(mean_t log r_t) over its valid tokens, shared by all its tokens and
         clipped as a whole; its gradient is s * mean_t grad log pi(y_t). GSPO clips tightly,
         e.g. clip_low 3e-4, clip_high 4e-4).
-    is_weights: optional (N, T) detached TIS/MIS weights (`truncated_is_weights`), multiplied
-        into the surrogate (not into the KL term), as TRL does.
+    is_weights: optional (N, T) detached per-token weights multiplied into the surrogate (not into
+        the KL term, nor the normalizers), as TRL does: TIS/MIS weights (`truncated_is_weights`),
+        times the 0/1 selection of `high_entropy_mask` when training on high-entropy tokens only.
     entropy: optional (N, T) token entropies of the current policy *with* grad
         (`entropy_from_logits` on the live logits); with entropy_coef > 0 an entropy bonus
         (verl's entropy_coeff) is subtracted per token, aggregated like the rest.

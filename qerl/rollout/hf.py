@@ -18,9 +18,9 @@ the adapter of the step are in place, so it always runs the current policy.
 from __future__ import annotations
 
 import contextlib
+import inspect
 import logging
 import time
-import inspect
 from typing import Literal
 
 import torch
