@@ -93,7 +93,7 @@ for cb in c['trainer']['callbacks']:
     if cb['class_path'].endswith('AQNCallback'): cb['init_args']['controller'] = {'class_path': 'qerl.aqn.NoNoise'}
 yaml.safe_dump(c, open('/tmp/learn_$arm.yaml', 'w'))"; cfg=/tmp/learn_$arm.yaml
         fi
-        CUDA_VISIBLE_DEVICES=$gpu timeout ${LEARN_TIMEOUT:-520} python3 train.py fit \
+        CUDA_VISIBLE_DEVICES=$gpu timeout ${LEARN_TIMEOUT:-585} python3 train.py fit \
           --config $cfg --model.model $TESTBED --model.quantization ${arm%-noaqn} --model.optimizer.lr ${LEARN_LR:-1.0e-5} --trainer.max_steps $steps \
           --trainer.val_check_interval $((steps / 2)) --data.val_sources '{gsm8k: data/gsm8k/test.jsonl}' \
           --trainer.logger.init_args.save_dir logs/learn_$arm > "$OUT"/learn_$arm.log 2>&1 &
