@@ -204,7 +204,7 @@ class QeRLModule(EvaluationMixin, L.LightningModule):
             input_ids[mb], attention_mask[mb], rollout.completion_ids[mb], rollout.temperature, **kw)
 
         # 2. no-grad passes
-        old_logprobs = ref_logprobs = high_entropy = None
+        old_logprobs = ref_logprobs = high_entropy = pre_entropy = None
         top_entropy = s.top_entropy_quantile < 1.0
         with torch.no_grad():
             if s.updates_per_rollout > 1 or top_entropy:
@@ -213,8 +213,8 @@ class QeRLModule(EvaluationMixin, L.LightningModule):
                 if s.updates_per_rollout > 1:
                     old_logprobs = torch.cat([logprobs for logprobs, _ in passes])  # (N, T)
                 if top_entropy:  # the rollout's forking tokens, fixed for the K updates
-                    entropies = torch.cat([h for _, h in passes])  # (N, T)
-                    high_entropy = high_entropy_mask(entropies, loss_mask, s.top_entropy_quantile)  # (N, T)
+                    pre_entropy = torch.cat([h for _, h in passes])  # (N, T); also the logged entropy
+                    high_entropy = high_entropy_mask(pre_entropy, loss_mask, s.top_entropy_quantile)  # (N, T)
                 del passes
             if s.kl_coef > 0:
                 noise_off = self.noisy_norms.disable() if self.noisy_norms is not None else contextlib.nullcontext()
@@ -230,7 +230,8 @@ class QeRLModule(EvaluationMixin, L.LightningModule):
             finite = True
             for mb in micro_batches:
                 with self._training_noise():
-                    logprobs, entropy = lp(mb, with_entropy=(update == 0), entropy_grad=s.entropy_coef > 0)
+                    logprobs, entropy = lp(mb, with_entropy=(update == 0 and pre_entropy is None),
+                                           entropy_grad=s.entropy_coef > 0)
                 old = old_logprobs[mb] if old_logprobs is not None else logprobs.detach()
                 is_weights = None
                 if s.tis_cap is not None:
@@ -257,7 +258,9 @@ class QeRLModule(EvaluationMixin, L.LightningModule):
                 for k, v in metrics.items():
                     sums[k] = sums.get(k, 0.0) + float(v) * weight / s.updates_per_rollout
                 if update == 0:
-                    entropy_sum += float(masked_mean(entropy.detach(), loss_mask[mb])) * weight
+                    # the pre-update entropy: the no-grad pass's when there was one (same weights, same noise)
+                    logged_entropy = pre_entropy[mb] if pre_entropy is not None else entropy.detach()
+                    entropy_sum += float(masked_mean(logged_entropy, loss_mask[mb])) * weight
                     raw_ratio = torch.exp((old - rollout.sampler_logprobs[mb]).clamp(max=20))
                     is_ratio_sum += float(masked_mean(raw_ratio, loss_mask[mb])) * weight
             grad_norm = torch.nn.utils.clip_grad_norm_(self.trainable_parameters(), self.optim_settings.max_grad_norm)

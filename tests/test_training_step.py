@@ -299,5 +299,7 @@ def test_top_entropy_quantile_trains_on_the_forking_tokens_only(policy, mismatch
     assert_different_update(top, plain, "top 30% entropy tokens")
     small = fit(policy, mismatched, tmp_path / "small", top_entropy_quantile=0.3, micro_batch_size=3, **kw)
     assert_same_update(top, small, "top 30% with micro-batches of 8 and 3")
+    # the logged entropy is the pre-update one over all tokens (from the selection pass, not recomputed)
+    assert top.logged["train/entropy"] == pytest.approx(plain.logged["train/entropy"], rel=1e-5)
     with pytest.raises(ValueError, match="top_entropy_quantile"):
         LossSettings(top_entropy_quantile=0.0)
