@@ -295,10 +295,14 @@ class PromptDataModule(L.LightningDataModule):
         """Extra training prompts for DAPO dynamic sampling (refilling groups with no signal).
 
         Drawn from a side stream seeded by ``(self.seed, seed)``, so the main stream and its
-        resumable position are untouched and a resumed run draws the same extras."""
+        resumable position are untouched and a resumed run draws the same extras. Under DDP every
+        rank draws the same ``world_size * num_prompts`` and keeps its own slice: the ranks refill
+        with different prompts (while the data allows), not W copies of the same ones."""
         examples, ids = self._prepared("train", "train")
+        rank, world_size = self._rank_world()
         gen = np.random.default_rng([self.seed, int(seed)])
-        picks = gen.choice(len(examples), size=min(num_prompts, len(examples)), replace=False)
+        drawn = gen.choice(len(examples), size=min(world_size * num_prompts, len(examples)), replace=False)
+        picks = np.resize(np.roll(drawn, -rank * num_prompts), min(num_prompts, len(examples)))
         return collate_examples([examples[i] for i in picks], [ids[i] for i in picks])
 
     # ------------------------------------------------------------------ data position

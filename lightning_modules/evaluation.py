@@ -78,6 +78,20 @@ def merge_records(parts: list[dict[str, list[dict]]]) -> dict[str, list[dict]]:
     return merged
 
 
+def metrics_from_records(rows: list[dict], samples: int, pass_k) -> dict[str, float]:
+    """pass@1 (greedy), mean@n and pass@k of one dataset from its records, each problem counted once
+    (under DDP the gathered, deduplicated rows: a metric summed over the ranks' shards would count the
+    problems the distributed sampler repeats to even them out twice), plus ``problems``."""
+    metric = PassAtK(samples, pass_k, sync_on_compute=False)  # the rows are already every rank's
+    if rows:
+        greedy = torch.tensor([float(r["correct"]) for r in rows])  # (P,)
+        sampled = torch.tensor([r["sampled_correct"] for r in rows]).float() if samples > 0 else None  # (P, n)
+        metric.update(greedy, sampled)
+    values = {k: float(v) for k, v in metric.compute().items()}
+    values["problems"] = len(rows)
+    return values
+
+
 class EvaluationMixin:
     """validation_step / test_step for ``QeRLModule`` (expects ``model``, ``tokenizer``, ``eval_settings``)."""
 
@@ -116,12 +130,12 @@ class EvaluationMixin:
         self._evaluating_engine = self._eval_engine()  # synced once per evaluation
         self._engine_awake = contextlib.ExitStack()  # vLLM: no sleep between batches, once after
         self._engine_awake.enter_context(self._evaluating_engine.awake())
-        self._eval_metrics = {name: PassAtK(s.samples, s.pass_k).to(self.device) for name in self._dataset_names(stage)}
-        self._eval_records = {name: [] for name in self._eval_metrics}
+        PassAtK(s.samples, s.pass_k)  # a bad eval.pass_k fails here, before any generation
+        self._eval_records = {name: [] for name in self._dataset_names(stage)}
 
     def _eval_step(self, batch: dict, batch_idx: int, dataloader_idx: int, stage: str) -> None:
         s, tok = self.eval_settings, self.tokenizer
-        name = list(self._eval_metrics)[dataloader_idx]
+        name = list(self._eval_records)[dataloader_idx]
         engine, scorer = self._evaluating_engine, self._evaluation_scorer
         seed = 10_007 * (batch_idx + 1) + dataloader_idx
         greedy = engine.generate(batch["prompt_ids"], 1, SamplingSettings(0.0, 1.0, 0, s.max_new_tokens), seed)
@@ -136,7 +150,6 @@ class EvaluationMixin:
         if sampled is not None:
             texts = tok.batch_decode(sampled.completion_ids, skip_special_tokens=True)
             sampled_ok = torch.tensor(scorer(texts, [a for a in answers for _ in range(s.samples)])).view(-1, s.samples)
-        self._eval_metrics[name].update(greedy_ok, sampled_ok)
         for i, text in enumerate(greedy_text):
             self._eval_records[name].append({
                 "index": batch["indices"][i] if "indices" in batch else None, "prompt": batch["prompts"][i],
@@ -150,9 +163,8 @@ class EvaluationMixin:
         self.log("step", float(self.global_step), on_step=False, on_epoch=True, batch_size=1)  # x-axis: optimizer steps
         self._eval_records = gather_records(self._eval_records)
         results = {}
-        for name, metric in self._eval_metrics.items():
-            values = {k: float(v) for k, v in metric.compute().items()}
-            values["problems"] = len(self._eval_records[name])
+        for name, rows in self._eval_records.items():
+            values = metrics_from_records(rows, self.eval_settings.samples, self.eval_settings.pass_k)
             results[name] = values
             for key, value in values.items():
                 if key != "problems":

@@ -198,7 +198,10 @@ class QeRLModule(EvaluationMixin, L.LightningModule):
         loss_mask = rollout.completion_mask.bool()  # (N, T)
         if s.mask_truncated:
             loss_mask = loss_mask & ~rollout.truncated[:, None]
-        advantages = group_advantages(rollout.rewards, rollout.group_size, s.advantage_scale)  # (N,)
+        # DDP: "batch" scales by the std of every rank's rewards (the ranks keep equal group counts)
+        everyone = self.all_gather(rollout.rewards) if s.advantage_scale == "batch" and self._world_size() > 1 else None
+        advantages = group_advantages(rollout.rewards, rollout.group_size, s.advantage_scale,
+                                      batch_rewards=everyone)  # (N,)
         micro_batches = [slice(i, min(i + s.micro_batch_size, N)) for i in range(0, N, s.micro_batch_size)]
         lp = lambda mb, **kw: self.completion_logprobs(  # noqa: E731
             input_ids[mb], attention_mask[mb], rollout.completion_ids[mb], rollout.temperature, **kw)
@@ -223,7 +226,8 @@ class QeRLModule(EvaluationMixin, L.LightningModule):
 
         # 3. K updates, each accumulating over micro-batches
         lr = opt.param_groups[0]["lr"]  # the LR of this step's first update (logged as train/lr)
-        num_tokens = loss_mask.sum().clamp(min=1)
+        local_tokens = loss_mask.sum().clamp(min=1)  # weights of this rank's logged means
+        num_tokens = self.token_normaliser(loss_mask)  # dapo's: the global token count / W
         sums: dict[str, float] = {}
         entropy_sum, is_ratio_sum, losses, grad_norms = 0.0, 0.0, [], []
         for update in range(s.updates_per_rollout):
@@ -254,7 +258,7 @@ class QeRLModule(EvaluationMixin, L.LightningModule):
                     break
                 self.manual_backward(loss)
                 losses.append(loss.detach())
-                weight = loss_mask[mb].sum().item() / num_tokens.item()
+                weight = loss_mask[mb].sum().item() / local_tokens.item()
                 for k, v in metrics.items():
                     sums[k] = sums.get(k, 0.0) + float(v) * weight / s.updates_per_rollout
                 if update == 0:
@@ -332,6 +336,16 @@ class QeRLModule(EvaluationMixin, L.LightningModule):
         if self._streaks["truncated"] == n:
             rank_zero_warn(f">= 90% of completions hit max_new_tokens for {n} steps: raise max_new_tokens "
                            "or check the stop tokens")
+
+    def token_normaliser(self, loss_mask: torch.Tensor) -> torch.Tensor:
+        """dapo's denominator: the rollout batch's valid tokens over every rank divided by the world
+        size W (DDP averages the ranks' gradients, so each rank divides its token sum by total / W and
+        the average is the global token mean; a rank's own count would weight a token of a rank with
+        short completions more). The count itself in one process."""
+        count = loss_mask.sum().float()
+        if self._world_size() > 1:
+            count = self.trainer.strategy.reduce(count, reduce_op="mean")
+        return count.clamp(min=1)
 
     def _on_all_ranks(self, flag: bool) -> bool:
         """``flag`` and-ed over the data-parallel ranks: a decision that changes the number of

@@ -13,9 +13,11 @@ class LossSettings:
     """The RL objective.
 
     Args:
-        advantage_scale: divide (r - group mean) by the group std, the batch std, or nothing (Dr.GRPO).
+        advantage_scale: divide (r - group mean) by the group std, the batch std (under DDP: of every
+            rank's rewards), or nothing (Dr.GRPO).
         aggregation: grpo (mean per sequence, then over sequences), bnpo (token mean per micro-batch),
-            dapo (token mean over the whole rollout batch), dr_grpo (sum / (N * max_new_tokens)).
+            dapo (token mean over the whole rollout batch, every rank's under DDP), dr_grpo
+            (sum / (N * max_new_tokens)).
         clip_low: ratio lower clip epsilon (1 - clip_low).
         clip_high: ratio upper clip epsilon (1 + clip_high); 0.28 is DAPO's clip-higher.
         ratio_level: token (PPO/GRPO) or sequence (GSPO: one length-normalised ratio per completion,

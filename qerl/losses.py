@@ -66,6 +66,7 @@ def group_advantages(
     group_size: int,
     scale: Literal["group", "batch", "none"] = "group",
     eps: float = 1e-4,
+    batch_rewards: Tensor | None = None,
 ) -> Tensor:
     """GRPO advantages: reward minus its group's mean, optionally divided by a std.
 
@@ -78,6 +79,8 @@ def group_advantages(
     The std is the *unbiased* one (torch's default, Bessel-corrected), following TRL, and the
     denominator is std + eps (TRL's 1e-4), so an all-equal group gets advantage exactly 0, never NaN.
     A std over a single element is undefined; it is taken as 0 (G=1 or one reward in total).
+    batch_rewards: the rewards whose std "batch" divides by (default ``rewards``); under DDP the
+    global batch's, gathered from every rank, as TRL does.
     Returns float (B*G,).
     """
     if rewards.dim() != 1 or rewards.numel() % group_size != 0:
@@ -92,7 +95,8 @@ def group_advantages(
         std = grouped.std(dim=1, keepdim=True) if group_size > 1 else torch.zeros_like(grouped)  # (B, G)
         std = std.expand_as(grouped).reshape(-1)  # (B*G,)
     elif scale == "batch":
-        std = rewards.std() if rewards.numel() > 1 else rewards.new_zeros(())  # ()
+        pool = rewards if batch_rewards is None else batch_rewards.float().reshape(-1)
+        std = pool.std() if pool.numel() > 1 else pool.new_zeros(())  # ()
     else:
         raise ValueError(f"unknown advantage scale {scale!r}; expected 'group', 'batch' or 'none'")
     return advantages / (std + eps)

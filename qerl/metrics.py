@@ -42,8 +42,8 @@ class PassAtK(Metric):
 
     full_state_update = False
 
-    def __init__(self, k: int = 0, pass_k: Sequence[int] | None = None):
-        super().__init__()
+    def __init__(self, k: int = 0, pass_k: Sequence[int] | None = None, **kwargs):
+        super().__init__(**kwargs)  # torchmetrics' options (sync_on_compute, ...)
         self.k = k
         self.pass_k = sorted({int(x) for x in (pass_k if pass_k is not None else [k])} - {1}) if k > 0 else []
         bad = [x for x in self.pass_k if not 2 <= x <= k]

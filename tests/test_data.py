@@ -304,6 +304,23 @@ def test_length_filter_drops_long_prompts(tmp_path, tokenizer, caplog):
     assert "dropped 4 of 8 prompts longer than max_prompt_length" in caplog.text
 
 
+def test_refill_prompts_are_seeded_and_differ_between_ranks(tokenizer, monkeypatch):
+    """DAPO's refill draws (``draw_extra``): the same seed gives the same prompts; under DDP each rank
+    refills with its own prompts, disjoint from the other ranks' while the data allows."""
+    dm = make_dm(tokenizer, seed=3)
+    one = dm.draw_extra(5, seed=101)
+    assert one == dm.draw_extra(5, seed=101) and one != dm.draw_extra(5, seed=102)
+    per_rank = []
+    for rank in (0, 1):
+        monkeypatch.setattr(PromptDataModule, "_rank_world", lambda self, r=rank: (r, 2))
+        per_rank.append(dm.draw_extra(5, seed=101))
+    assert per_rank[1] == dm.draw_extra(5, seed=101)  # still seeded (resume draws the same)
+    assert len(per_rank[1]["prompts"]) == 5 and not set(per_rank[0]["prompts"]) & set(per_rank[1]["prompts"])
+    # more ranks than the data covers: every rank still gets its count, overlaps allowed
+    monkeypatch.setattr(PromptDataModule, "_rank_world", lambda self: (3, 4))
+    assert len(dm.draw_extra(10, seed=101)["prompts"]) == 10
+
+
 def test_resume_yields_next_unseen_batch(tokenizer):
     original = take(make_dm(tokenizer, seed=7), 12)
     dm = make_dm(tokenizer, seed=7)

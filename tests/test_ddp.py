@@ -88,6 +88,72 @@ def test_ddp_dynamic_sampling_ranks_keep_different_group_counts(tmp_path):
         assert logged["aqn_monitor_rewards"] == pytest.approx([0.375, 0.375]), logged["aqn_monitor_rewards"]
 
 
+def test_ddp_dapo_and_batch_std_normalise_over_all_ranks(tmp_path):
+    """dapo divides each rank's token sum by the global token count / W (DDP averages the ranks'
+    gradients: the global token mean), and advantage_scale: batch divides by the std of every rank's
+    rewards. Rank 1's completions are cut to half length, so the ranks' token counts differ."""
+    (tmp_path / "record_norms.py").write_text(textwrap.dedent(f"""
+        import torch, torch.distributed as dist, lightning as L
+        import lightning_modules.qerl_module as qm
+        from qerl.rewards import RewardFunction
+
+        class RankReward(RewardFunction):
+            name = "by_rank"
+
+            def compute(self, completions, answers):
+                rank = dist.get_rank() if dist.is_initialized() else 0
+                return [float((i + rank) % 3 == 0) for i in range(len(completions))]
+
+        class RecordNormalisers(L.Callback):
+            rows = []
+
+            def on_fit_start(self, trainer, pl_module):
+                normaliser, advantages = pl_module.token_normaliser, qm.group_advantages
+
+                def recorded_normaliser(mask):
+                    out = normaliser(mask)
+                    self.rows.append(("tokens", float(mask.sum()), float(out)))
+                    return out
+
+                def recorded_advantages(rewards, group_size, scale, **kw):
+                    out = advantages(rewards, group_size, scale, **kw)
+                    self.rows.append(("advantages", rewards.tolist(), out.tolist()))
+                    return out
+                pl_module.token_normaliser, qm.group_advantages = recorded_normaliser, recorded_advantages
+
+            def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+                if trainer.global_rank == 1:   # after the RolloutCallback attached the rollout
+                    mask = batch["rollout"].completion_mask
+                    mask[:, mask.shape[1] // 2:] = 0
+
+            def on_train_end(self, trainer, pl_module):
+                torch.save(self.rows, f"{tmp_path}/norms{{trainer.global_rank}}.pt")
+    """))
+
+    def dapo(cfg):
+        cfg["model"]["loss"].update(aggregation="dapo", advantage_scale="batch")
+        for cb in cfg["trainer"]["callbacks"]:
+            if cb["class_path"].endswith("RolloutCallback"):
+                cb["init_args"]["reward"] = {"class_path": "record_norms.RankReward"}
+                cb["init_args"]["overlong_buffer"] = 0
+        cfg["trainer"]["callbacks"].append({"class_path": "record_norms.RecordNormalisers"})
+    _ddp_fit(tmp_path, "cpu", "fp32", edit=dapo, timeout=300)
+    rows = [torch.load(tmp_path / f"norms{r}.pt") for r in (0, 1)]
+    tokens = [[row[1:] for row in rank if row[0] == "tokens"] for rank in rows]
+    advantages = [[row[1:] for row in rank if row[0] == "advantages"] for rank in rows]
+    assert len(tokens[0]) == len(tokens[1]) == 2  # one per training step
+    for (n0, out0), (n1, out1) in zip(*tokens):
+        assert n0 != n1 and out0 == out1 == pytest.approx((n0 + n1) / 2)
+    group = 4  # the quickstart's group size
+    for (r0, a0), (r1, a1) in zip(*advantages):
+        std = torch.tensor(r0 + r1).std()
+        for rewards, adv in ((r0, a0), (r1, a1)):
+            r = torch.tensor(rewards).view(-1, group)
+            expected = ((r - r.mean(1, keepdim=True)) / (std + 1e-4)).view(-1)
+            assert torch.allclose(torch.tensor(adv), expected, atol=1e-6), (rewards, adv, expected)
+        assert torch.tensor(r0).std() != pytest.approx(float(std))  # not vacuous: local std differs
+
+
 def test_ddp_a_non_finite_loss_on_one_rank_skips_the_update_on_all(tmp_path):
     """A NaN reward on rank 1 only (first step) makes its loss NaN: both ranks must skip that update
     together (else rank 0 waits in a gradient all-reduce that rank 1 never joins) and stay equal."""

@@ -77,6 +77,23 @@ def test_merge_records_of_ranks_keeps_each_problem_once_in_order():
     assert [r["index"] for r in merged] == [0, 1, 2, 3, 4] and [r["correct"] for r in merged] == [True, False, False, True, True]
 
 
+def test_metrics_count_each_problem_once_under_ddp_padding():
+    """The logged metrics come from the merged records: the padded repeat of problem 0 (correct)
+    would make pass@1 4/6 on the ranks' summed shards; it is 3/5, as the report's rows say."""
+    from lightning_modules.evaluation import merge_records, metrics_from_records
+
+    row = lambda i, ok, sampled: {"index": i, "prompt": f"p{i}", "gold": "1", "correct": ok,  # noqa: E731
+                                  "sampled_correct": sampled}
+    parts = [{"g": [row(0, True, [1, 1]), row(2, False, [0, 0]), row(4, True, [1, 0])]},
+             {"g": [row(1, False, [0, 1]), row(3, True, [1, 1]), row(0, True, [1, 1])]}]
+    out = metrics_from_records(merge_records(parts)["g"], samples=2, pass_k=[2])
+    assert out["problems"] == 5 and out["pass@1"] == pytest.approx(3 / 5)
+    assert out["mean@2"] == pytest.approx((1 + 0 + 0.5 + 0.5 + 1) / 5)
+    assert out["pass@2"] == pytest.approx(4 / 5)
+    greedy_only = metrics_from_records([row(7, False, None)], samples=0, pass_k=None)
+    assert greedy_only == {"pass@1": 0.0, "problems": 1}
+
+
 def test_validate_on_quickstart_logs_pass_at_1_and_writes_report(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     cli = main(["validate", *fast_args(tmp_path, 2)])

@@ -65,6 +65,12 @@ def test_advantages_batch_scale():
     adv = group_advantages(t(REWARDS, torch.float32), 3, "batch", eps=0.0)
     s = math.sqrt(3.9)
     assert_close(adv, torch.tensor([-3 / s, 0.0, 3 / s, 0.0, 0.0, 0.0]))
+    # DDP: the std of every rank's rewards (here this rank's plus another's (W, N) = (2, 6) gather)
+    everyone = torch.stack([t(REWARDS, torch.float32), torch.zeros(6)])
+    adv = group_advantages(t(REWARDS, torch.float32), 3, "batch", eps=0.0, batch_rewards=everyone)
+    s = everyone.reshape(-1).std().item()  # 12 rewards: mean 1.25, sum of squares 57
+    assert abs(s - math.sqrt((57 - 12 * 1.25 ** 2) / 11)) < 1e-6
+    assert_close(adv, torch.tensor([-3 / s, 0.0, 3 / s, 0.0, 0.0, 0.0]))
 
 
 def test_advantages_no_scale():
