@@ -256,7 +256,8 @@ class QeRLModule(EvaluationMixin, L.LightningModule):
                 if not self._on_all_ranks(bool(torch.isfinite(loss))):  # DDP: all ranks skip together
                     finite = False
                     break
-                self.manual_backward(loss)
+                with self._training_noise():  # gradient checkpointing recomputes the forward in here
+                    self.manual_backward(loss)
                 losses.append(loss.detach())
                 weight = loss_mask[mb].sum().item() / local_tokens.item()
                 for k, v in metrics.items():

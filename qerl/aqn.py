@@ -235,6 +235,12 @@ class OscillatingSchedule(NoiseController):
         self.last_decision = {"reheat": float(j >= 1 and started), "bump": bump}
         return env + bump
 
+    def state_dict(self) -> dict:
+        return {"prev_step": self._prev_step}  # a resumed run logs aqn/reheat as the straight one
+
+    def load_state_dict(self, state: dict) -> None:
+        self._prev_step = state.get("prev_step")
+
 
 class AdaptiveNoise(NoiseController):
     """Closed loop: boost a base schedule's sigma when the reward plateaus or the entropy collapses.
@@ -246,7 +252,8 @@ class AdaptiveNoise(NoiseController):
     ``epsilon`` is an improvement (and ends a running boost: relax to the base). A plateau is ``window``
     batches without an improvement since the last improvement or the last boost; with
     ``entropy_floor`` set, an entropy MA below the floor also triggers. On a trigger sigma =
-    clip(base * boost, sigma_min, sigma_max) for ``cooldown`` batches. ``last_decision`` logs
+    max(base, clip(base * boost, sigma_min, sigma_max)) for ``cooldown`` batches (a boost never
+    lowers sigma, also where the base schedule starts above ``sigma_max``). ``last_decision`` logs
     {"plateau": 0/1, "boost": applied factor, "reward_ma", "entropy_ma"}. A repeated call for the same
     step returns the cached value.
 
@@ -299,7 +306,7 @@ class AdaptiveNoise(NoiseController):
             if stalled or collapsed:
                 self.boost_until, self.clock = t + self.cooldown, t
         boosted = t < self.boost_until
-        sigma = min(max(base * self.boost, self.sigma_min), self.sigma_max) if boosted else base
+        sigma = max(base, min(max(base * self.boost, self.sigma_min), self.sigma_max)) if boosted else base
         self.last_decision = {
             "plateau": float(boosted),
             "boost": (sigma / base if base > 0 else self.boost) if boosted else 1.0,

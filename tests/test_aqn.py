@@ -112,6 +112,12 @@ def test_oscillating_reheats_at_configured_steps(relative):
     jumps = [(sig[s] - env[i]) / (env[i] if relative else 1.0) for i, s in enumerate(reheats)]
     assert jumps == pytest.approx([amp * 0.5**j for j in range(5)])  # successive re-heats decay
     assert sig[0] == pytest.approx(1e-2) and osc.stage(250) == 2
+    # resumed at step 198 (every third step): the re-heat flag lands on 201 as in the straight run
+    first = OscillatingSchedule(1e-2, 5e-4, period=100, max_steps=600)
+    [first.sigma(s) for s in range(0, 199, 3)]
+    resumed = OscillatingSchedule(1e-2, 5e-4, period=100, max_steps=600)
+    resumed.load_state_dict(first.state_dict())
+    assert [s for s in range(201, 600, 3) if (resumed.sigma(s), resumed.last_decision["reheat"])[1]] == [201, 300, 402, 501]
 
 
 def _drive(ctrl: NoiseController, rewards, state: MonitorState | None = None, start: int = 0, stride: int = 1):
@@ -134,6 +140,9 @@ def test_adaptive_boosts_on_flat_reward_only():
     assert all(s == 1e-3 and d["plateau"] == 0.0 for s, d in rising)
     capped, _ = _drive(AdaptiveNoise(base=base, window=5, boost=100.0, sigma_max=2e-2), [0.1] * 20)
     assert capped[-1][0] == 2e-2
+    # a base above sigma_max (the paper's 5e-2 start): a boost holds the base, never lowers it
+    high, _ = _drive(AdaptiveNoise(base=ConstantNoise(5e-2), window=5, sigma_max=2e-2), [0.1] * 20)
+    assert high[-1][1]["plateau"] == 1.0 and high[-1][0] == 5e-2 and high[-1][1]["boost"] == 1.0
     # 4 optimizer steps per rollout batch: window and cooldown still count batches (the same calls boost)
     strided, _ = _drive(AdaptiveNoise(base=base, window=10, epsilon=0.01, boost=2.0, cooldown=10), [0.5] * 40, stride=4)
     assert [d["plateau"] for _, d in strided] == [d["plateau"] for _, d in flat]

@@ -21,6 +21,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from lightning_modules.qerl_module import LossSettings, OptimizerSettings, QeRLModule
+from qerl.aqn import attach_noisy_norms
 from qerl.rollout import Rollout
 
 N, G, T, P = 8, 4, 6, 5  # completions, group size, completion length (= max_new_tokens), prompt length
@@ -111,12 +112,20 @@ class Recorder(L.Callback):
         self._count = 0
 
 
-def fit(policy, rollout, root, batches: int = 1, max_grad_norm: float = 0.2, **loss_kw) -> SimpleNamespace:
-    """``Trainer.fit`` a copy of ``policy`` on ``batches`` copies of ``rollout`` (one epoch, CPU)."""
+def fit(policy, rollout, root, batches: int = 1, max_grad_norm: float = 0.2, module_kw=None, rollout_noise=0.0,
+        **loss_kw) -> SimpleNamespace:
+    """``Trainer.fit`` a copy of ``policy`` on ``batches`` copies of ``rollout`` (one epoch, CPU).
+    ``rollout_noise`` > 0: AQN noise of that sigma set on the norms with ``apply_to: rollout`` (as
+    after the rollout: the training forwards must run without it)."""
     optimizer = OptimizerSettings(lr=LR, warmup_ratio=0.0, schedule="constant", max_grad_norm=max_grad_norm)
     module = QeRLModule(model="tiny-qwen2", quantization="nvfp4", dtype="fp32", loss=LossSettings(**loss_kw),
-                        optimizer=optimizer)
+                        optimizer=optimizer, **(module_kw or {}))
     module.model = copy.deepcopy(policy)  # configure_model keeps a model that is already there
+    if module.gradient_checkpointing:
+        module.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if rollout_noise > 0:
+        module.noisy_norms, module.aqn_apply_to = attach_noisy_norms(module.model), "rollout"
+        module.noisy_norms.set_noise(rollout_noise, seed=1, step=0)
     before = [p.detach().clone() for p in module.trainable_parameters()]
     recorder = Recorder()
     trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=batches * module.loss_settings.updates_per_rollout,
@@ -306,3 +315,15 @@ def test_top_entropy_quantile_trains_on_the_forking_tokens_only(policy, mismatch
     assert top.logged["train/entropy"] == pytest.approx(plain.logged["train/entropy"], rel=1e-5)
     with pytest.raises(ValueError, match="top_entropy_quantile"):
         LossSettings(top_entropy_quantile=0.0)
+
+
+def test_rollout_only_noise_stays_off_in_the_training_backward(policy, mismatched, tmp_path):
+    """apply_to: rollout trains on the clean policy, with or without gradient checkpointing (which
+    recomputes each layer's forward during backward: the noise must be off there too)."""
+    kw = dict(max_grad_norm=1e9, tis_cap=None)
+    clean = fit(policy, mismatched, tmp_path / "clean", **kw)
+    noisy = fit(policy, mismatched, tmp_path / "noisy", rollout_noise=0.05, **kw)
+    checkpointed = fit(policy, mismatched, tmp_path / "gc", rollout_noise=0.05,
+                       module_kw=dict(gradient_checkpointing=True), **kw)
+    assert_same_update(noisy, clean, "rollout-only noise")
+    assert_same_update(checkpointed, clean, "rollout-only noise, gradient checkpointing")
