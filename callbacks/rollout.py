@@ -190,7 +190,8 @@ class RolloutCallback(L.Callback):
             kept += more
             dropped += more_dropped
         if self.dynamic_sampling:
-            if not kept:  # nothing has signal: train on the original batch (its advantages are 0)
+            if not kept:  # no task signal anywhere: train on the original batch (advantages 0, or only
+                # the overlong penalty's length signal when shaping is on); train/frac_reward_zero_std shows it
                 kept, dropped = dropped[:target_groups], []
             kept = kept[:target_groups]
             # DDP: every rank must train on as many groups (the same number of micro-batches, i.e.

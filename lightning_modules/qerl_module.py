@@ -175,11 +175,12 @@ class QeRLModule(EvaluationMixin, L.LightningModule):
         position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)  # same rule as the HF engine
         out = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                          use_cache=False, logits_to_keep=T + 1)
-        logits = out.logits[:, :-1] / (temperature if temperature > 0 else 1.0)  # (n, T, V)
-        logprobs = selective_log_softmax(logits, completion_ids)  # (n, T) fp32
+        logits = out.logits[:, :-1]  # (n, T, V), the model's dtype: the temperature divides in fp32 below
+        tau = temperature if temperature > 0 else 1.0
+        logprobs = selective_log_softmax(logits, completion_ids, temperature=tau)  # (n, T) fp32
         entropy = None
         if with_entropy or entropy_grad:
-            entropy = entropy_from_logits(logits if entropy_grad else logits.detach())  # (n, T)
+            entropy = entropy_from_logits(logits if entropy_grad else logits.detach(), temperature=tau)  # (n, T)
         return logprobs, entropy
 
     # ---------------------------------------------------------------- the step

@@ -400,6 +400,23 @@ def test_selective_log_softmax_gradcheck():
     logits = torch.randn(2, 3, 5, dtype=F64, generator=g).requires_grad_()
     ids = torch.randint(0, 5, (2, 3), generator=g)
     assert torch.autograd.gradcheck(lambda z: selective_log_softmax(z, ids, chunk_size=4), (logits,))
+    assert torch.autograd.gradcheck(lambda z: selective_log_softmax(z, ids, chunk_size=4, temperature=0.7), (logits,))
+
+
+def test_temperature_divides_bf16_logits_in_fp32():
+    """log softmax(z / T) and its entropy of bf16 logits equal the fp32 computation on the same bf16
+    values (what the samplers do: ``logits.float() / T``); dividing in bf16 first is off by up to
+    ~0.1 nats at T = 0.7 on logits of size ~20, which the importance ratios would see."""
+    g = torch.Generator().manual_seed(3)
+    logits = (8 * torch.randn(4, 6, 300, generator=g)).to(torch.bfloat16)
+    ids = torch.randint(0, 300, (4, 6), generator=g)
+    ref = torch.log_softmax(logits.float() / 0.7, -1)  # (4, 6, 300)
+    got = selective_log_softmax(logits, ids, chunk_size=5, temperature=0.7)
+    assert_close(got, ref.gather(-1, ids[..., None]).squeeze(-1))
+    entropy = entropy_from_logits(logits, chunk_size=5, temperature=0.7)  # lse - E[z]: fp32 order differs
+    torch.testing.assert_close(entropy, -(ref.exp() * ref).sum(-1), atol=2e-4, rtol=1e-4)
+    in_bf16 = selective_log_softmax(logits / 0.7, ids)
+    assert (in_bf16 - got).abs().max() > 1e-2  # the error the fp32 division removes
 
 
 def test_high_entropy_mask_keeps_the_top_share_of_valid_tokens():
