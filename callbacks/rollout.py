@@ -191,7 +191,7 @@ class RolloutCallback(L.Callback):
             dropped += more_dropped
         if self.dynamic_sampling:
             if not kept:  # no task signal anywhere: train on the original batch (advantages 0, or only
-                # the overlong penalty's length signal when shaping is on); train/frac_reward_zero_std shows it
+                # the overlong penalty's length signal when shaping is on)
                 kept, dropped = dropped[:target_groups], []
             kept = kept[:target_groups]
             # DDP: every rank must train on as many groups (the same number of micro-batches, i.e.
