@@ -50,6 +50,13 @@ class EvalSettings:
     max_batch_size: int = 64
     engine: Literal["rollout", "hf"] = "rollout"
 
+    def __post_init__(self) -> None:  # fails at start, not at the first validation
+        if self.samples < 0 or self.max_new_tokens < 1 or self.max_batch_size < 1:
+            raise ValueError("model.eval.samples must be >= 0, max_new_tokens and max_batch_size >= 1")
+        if self.temperature < 0 or not 0 < self.top_p <= 1:
+            raise ValueError(f"model.eval.temperature must be >= 0 and top_p in (0, 1], got {self.temperature}, {self.top_p}")
+        PassAtK(self.samples, self.pass_k)  # a bad pass_k: its own message
+
 
 def gather_records(records: dict[str, list[dict]]) -> dict[str, list[dict]]:
     """Under DDP each rank evaluated a shard: every rank's completion records, each problem once

@@ -87,6 +87,16 @@ class OptimizerSettings:
     schedule: Literal["cosine", "linear", "constant"] = "cosine"
     max_grad_norm: float = 0.2
 
+    def __post_init__(self) -> None:  # a bad YAML value fails at start, not after the model loads
+        if not self.lr > 0:
+            raise ValueError(f"model.optimizer.lr must be > 0, got {self.lr}")
+        if not self.max_grad_norm > 0:  # a negative threshold flips the gradient (training goes uphill)
+            raise ValueError(f"model.optimizer.max_grad_norm must be > 0, got {self.max_grad_norm}")
+        if not 0 <= self.warmup_ratio <= 1:
+            raise ValueError(f"model.optimizer.warmup_ratio must be in [0, 1], got {self.warmup_ratio}")
+        if self.weight_decay < 0:
+            raise ValueError(f"model.optimizer.weight_decay must be >= 0, got {self.weight_decay}")
+
 
 # Lightning warnings whose advice does not apply to this module (silenced when a run starts):
 LIGHTNING_ADVICE_THAT_DOES_NOT_APPLY = (

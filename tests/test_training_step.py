@@ -327,3 +327,20 @@ def test_rollout_only_noise_stays_off_in_the_training_backward(policy, mismatche
                        module_kw=dict(gradient_checkpointing=True), **kw)
     assert_same_update(noisy, clean, "rollout-only noise")
     assert_same_update(checkpointed, clean, "rollout-only noise, gradient checkpointing")
+
+
+@pytest.mark.parametrize("bad", [dict(lr=-1e-3), dict(lr=0.0), dict(max_grad_norm=-1.0), dict(warmup_ratio=2.0),
+                                 dict(weight_decay=-0.1)])
+def test_bad_optimizer_settings_fail_at_construction(bad):
+    """Before the model loads (a negative max_grad_norm would silently flip every gradient)."""
+    with pytest.raises(ValueError, match="model.optimizer"):
+        OptimizerSettings(**bad)
+
+
+@pytest.mark.parametrize("bad", [dict(samples=-1), dict(top_p=1.5), dict(temperature=-1.0), dict(max_new_tokens=0),
+                                 dict(samples=2, pass_k=[4])])
+def test_bad_eval_settings_fail_at_construction(bad):
+    from lightning_modules.evaluation import EvalSettings
+
+    with pytest.raises(ValueError):
+        EvalSettings(**bad)
