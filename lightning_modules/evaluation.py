@@ -132,12 +132,10 @@ class EvaluationMixin:
         return list(names) if names else ["default"]
 
     def _start_eval(self, stage: str) -> None:
-        s = self.eval_settings
         self._evaluation_scorer = MathAccuracy()
         self._evaluating_engine = self._eval_engine()  # synced once per evaluation
         self._engine_awake = contextlib.ExitStack()  # vLLM: no sleep between batches, once after
         self._engine_awake.enter_context(self._evaluating_engine.awake())
-        PassAtK(s.samples, s.pass_k)  # a bad eval.pass_k fails here, before any generation
         self._eval_records = {name: [] for name in self._dataset_names(stage)}
 
     def _eval_step(self, batch: dict, batch_idx: int, dataloader_idx: int, stage: str) -> None:
