@@ -262,16 +262,35 @@ def _write_trainable_norms(out: Path, norms: dict[str, torch.Tensor]) -> None:
         save_file(norms, str(out / TRAINABLE_NORMS_FILE), metadata={"format": "pt"})
 
 
+def _load_checkpoint(ckpt_path: str | Path) -> dict:
+    """A training checkpoint's dict, checked to have dict ``state_dict`` and ``hyper_parameters``:
+    an empty file or another pickle is a ValueError naming the file, not a traceback further on."""
+    try:
+        ckpt = torch.load(str(ckpt_path), map_location="cpu", weights_only=False)  # Lightning's own pickle
+    except EOFError as err:  # pickle's bare "Ran out of input"
+        raise ValueError(f"{ckpt_path}: empty or truncated file") from err
+    if not isinstance(ckpt, dict):
+        raise ValueError(f"{ckpt_path}: holds a {type(ckpt).__name__}, not a checkpoint dict")
+    for key in ("state_dict", "hyper_parameters"):
+        if key not in ckpt:  # without hyper-parameters the LoRA rank/alpha would be guessed
+            raise ValueError(f"{ckpt_path}: no {key!r} (not a qerl training checkpoint?)")
+        if not isinstance(ckpt[key] or {}, dict):
+            raise ValueError(f"{ckpt_path}: its {key!r} is a {type(ckpt[key]).__name__}, not a dict")
+    return ckpt
+
+
 def adapter_from_checkpoint(ckpt_path: str | Path, out_dir: str | Path) -> Path:
     """The adapter of a training checkpoint (``.ckpt``: the trainable tensors and the module's
     hyper-parameters), written as :func:`export_adapter` writes it at the end of a run, without loading
     the base model: to serve or evaluate any step of a run, also one that did not finish."""
-    ckpt = torch.load(str(ckpt_path), map_location="cpu", weights_only=False)  # Lightning's own pickle
-    hp, state = ckpt.get("hyper_parameters") or {}, ckpt.get("state_dict") or {}
+    ckpt = _load_checkpoint(ckpt_path)
+    hp, state = ckpt["hyper_parameters"] or {}, ckpt["state_dict"] or {}
     lora = hp.get("lora") or {}
     settings = lora if isinstance(lora, LoraSettings) else LoraSettings(**lora)
     adapter, norms = {}, {}
     for key, tensor in state.items():
+        if not isinstance(tensor, torch.Tensor):
+            raise ValueError(f"{ckpt_path}: state_dict[{key!r}] is not a tensor ({type(tensor).__name__})")
         name = key[len("model."):] if key.startswith("model.") else key  # QeRLModule.model
         if _is_adapter(name):  # peft's own naming on save: the adapter name ("default") dropped
             adapter[name.replace(".default", "")] = tensor.contiguous()

@@ -50,8 +50,10 @@ def global_scale_for(*weights: torch.Tensor) -> torch.Tensor:
     """The fp32 per-tensor scale shared by ``weights``: amax / (448 * 6), so the largest block
     scale lands on e4m3's maximum. Pass q, k and v (or gate and up) together to share one."""
     amax = torch.stack([w.detach().abs().amax().float() for w in weights]).amax()
-    # An all-zero weight would give scale 0 and NaNs on the way in; any positive value decodes to 0.
-    return per_tensor_amax_to_scale(torch.clamp(amax, min=torch.finfo(torch.float32).tiny))
+    # An all-zero group would give scale 0 (NaN codes), and clamping amax to float tiny a denormal
+    # scale whose reciprocal, the exported weight_global_scale, is inf: any positive amax decodes
+    # zeros exactly, so use 1.
+    return per_tensor_amax_to_scale(torch.where(amax > 0, amax, torch.ones_like(amax)))
 
 
 def dequantize_nvfp4(

@@ -32,7 +32,7 @@ from qerl.model import (
     load_policy,
     quantize_decoder_linears,
 )
-from qerl.nvfp4 import NVFP4WeightTensor
+from qerl.nvfp4 import NVFP4WeightTensor, dequantize_nvfp4
 
 ROOT = Path(__file__).resolve().parents[1]
 SEED = 1
@@ -211,6 +211,25 @@ def test_transformers_loads_export_through_compressed_tensors(nvfp4_export):
     assert torch.equal(got, want)
 
 
+def test_all_zero_weights_export_finite_and_decode_to_zero(tmp_path):
+    """An all-zero q/k/v group and an all-zero lone linear get a finite global scale (not the inf
+    reciprocal of a denormal per-tensor scale) and decode to exact zeros, in the model and the file."""
+    model, tok = load_base_model("tiny-qwen2", dtype="bf16", seed=SEED)
+    layer = decoder_layers(model)[0]
+    with torch.no_grad():
+        for linear in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj, layer.mlp.down_proj):
+            linear.weight.zero_()
+    quantize_decoder_linears(model)
+    sd = load_file(export_nvfp4(model, tok, tmp_path) / "model.safetensors")
+    nonfinite = [k for k, t in sd.items() if not torch.isfinite(t.float()).all()]
+    assert not nonfinite, nonfinite
+    for short in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.down_proj"):
+        prefix = f"model.layers.0.{short}"
+        assert not layer.get_submodule(short).weight.dequantize(torch.float32).any(), prefix
+        packed, scale, gscale = (sd[f"{prefix}.{s}"] for s in ("weight_packed", "weight_scale", "weight_global_scale"))
+        assert not dequantize_nvfp4(packed, scale, gscale.reciprocal(), torch.float32).any(), prefix  # as vLLM decodes
+
+
 def test_bf16_export_reloads_with_dequantized_logits(tmp_path):
     model, tok = load_policy("tiny-qwen2", "nvfp4", None, dtype="bf16", seed=SEED)
     model.config.quantization_config = {"quant_method": "gguf"}  # what a GGUF load leaves behind
@@ -376,3 +395,25 @@ def test_training_checkpoint_to_adapter(tmp_path, lora_as):
         torch.save({"state_dict": {}, "hyper_parameters": {}}, tmp_path / "empty.ckpt")
         with pytest.raises(SystemExit):
             main(["--format", "adapter", "--adapter", str(tmp_path / "empty.ckpt"), "--out", str(tmp_path / "e")])
+
+
+@pytest.mark.parametrize("content, problem", [
+    (None, "empty or truncated file"),
+    ([1, 2], "holds a list, not a checkpoint dict"),
+    ({"state_dict": [1], "hyper_parameters": {}}, "its 'state_dict' is a list, not a dict"),
+    ({"state_dict": {}, "hyper_parameters": [1]}, "its 'hyper_parameters' is a list, not a dict"),
+    ({"state_dict": {"model.q.lora_A.default.weight": torch.zeros(2)}}, "no 'hyper_parameters'"),
+    ({"state_dict": {"model.q.lora_A.default.weight": 3}, "hyper_parameters": {}}, "is not a tensor (int)"),
+], ids=["empty", "list", "state_dict-list", "hparams-list", "no-hparams", "not-tensor"])
+def test_cli_rejects_foreign_checkpoint_in_one_line(tmp_path, capsys, content, problem):
+    """An empty file, or a pickle that is not a training checkpoint's dict, stops the CLI with one
+    error line naming the file and what is wrong (exit 2, argparse's), never a traceback."""
+    ckpt = tmp_path / "odd.ckpt"
+    ckpt.write_bytes(b"") if content is None else torch.save(content, ckpt)
+    with pytest.raises(SystemExit) as exc:
+        main(["--format", "adapter", "--adapter", str(ckpt), "--out", str(tmp_path / "out")])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    last = err.strip().splitlines()[-1]
+    assert "error: cannot read the adapter" in last and str(ckpt) in last and problem in last, last
