@@ -16,6 +16,7 @@ single global scale (research/vllm.md §1.2): the export is then lossless.
 from __future__ import annotations
 
 import logging
+import math
 import os
 import warnings
 from dataclasses import dataclass, field
@@ -154,6 +155,11 @@ def quantize_decoder_linears_nf4(model: nn.Module, device: str | torch.device = 
             if mod.bias is not None:
                 q.bias = nn.Parameter(mod.bias.data.clone(), requires_grad=False)
             q = q.to(device)  # Params4bit quantizes on the move
+            # bitsandbytes >= 0.50 on AVX512-BF16 CPUs repacks an eval-mode weight for a no-autograd
+            # gemv the first time it runs without grad (our rollouts) and keeps it packed: the
+            # training forward after it then fails (or would get no input gradient). Keep the
+            # autograd path: the CPU is for tests here.
+            q.support_avx512bf16_for_cpu = False
             parent = layer.get_submodule(name.rsplit(".", 1)[0]) if "." in name else layer
             setattr(parent, short, q)
             count += 1
@@ -194,10 +200,17 @@ def _quant_state_tensors(state) -> list[torch.Tensor]:
     return [t for t in tensors if isinstance(t, torch.Tensor)]
 
 
+def _logical_numel(p: torch.Tensor) -> int:
+    """Elements a parameter stands for: a quantized bitsandbytes ``Params4bit`` holds N*K/2 packed
+    bytes, its ``quant_state.shape`` the logical [N, K] (an NVFP4 weight already presents [N, K])."""
+    state = getattr(p, "quant_state", None) if type(p).__name__ == "Params4bit" else None
+    return math.prod(state.shape) if state is not None else p.numel()
+
+
 def count_parameters(model: nn.Module) -> dict[str, int]:
-    """Trainable and total parameter counts (an NVFP4 weight counts its logical N*K elements)."""
-    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    total = sum(p.numel() for p in model.parameters())
+    """Trainable and total parameter counts (an NVFP4 or NF4 weight counts its logical N*K elements)."""
+    trainable = sum(_logical_numel(p) for p in model.parameters() if p.requires_grad)
+    total = sum(_logical_numel(p) for p in model.parameters())
     return {"trainable": trainable, "total": total}
 
 

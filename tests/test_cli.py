@@ -131,7 +131,11 @@ def test_three_seeded_steps_regression(tmp_path, monkeypatch):
     values, _ = scalars(f"{tmp_path}/logs")
     got = {k: values[k] for k in EXPECTED_THREE_STEPS}
     for name, expected in EXPECTED_THREE_STEPS.items():
-        assert got[name] == pytest.approx(expected, rel=1e-3, abs=1e-9), (name, got[name])
+        # the loss is 0.01 x KL (~1e-6) plus the on-policy surrogate, zero up to fp32 rounding of the
+        # group-centred advantages (measured 1e-7 to 2e-7 apart on two CPUs): pinned absolutely
+        tolerance = dict(abs=5e-7) if name == "train/loss" else dict(rel=1e-3, abs=1e-9)
+        assert got[name] == pytest.approx(expected, **tolerance), (name, got[name])
+    assert [loss - 0.01 * kl for loss, kl in zip(got["train/loss"], got["train/kl"])] == pytest.approx([0.0] * 3, abs=5e-7)
 
 
 def test_silent_failures_warn(tmp_path, monkeypatch):

@@ -1,5 +1,7 @@
 """Model loading, layer-by-layer NVFP4 quantization and LoRA on tiny random Qwen2/Llama models."""
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -89,6 +91,48 @@ def test_quantized_linear_bytes_at_most_03x_bf16(arch):
     ratio = base_weight_bytes(q)["decoder_linears"] / base_weight_bytes(bf16)["decoder_linears"]
     assert ratio <= 0.3, ratio  # 4.5/16 = 0.281 plus one fp32 per-tensor scale per linear
     assert count_parameters(q)["total"] == count_parameters(bf16)["total"]
+
+
+@pytest.mark.parametrize("lora", [None, LoraSettings(rank=4, alpha=8)], ids=["base", "lora"])
+def test_nf4_parameter_count_is_logical(lora):
+    """bitsandbytes packs an NF4 weight into N*K/2 uint8 elements; it still counts as N*K."""
+    pytest.importorskip("bitsandbytes")
+    nf4, _ = load_policy("tiny-qwen2", "nf4", lora, dtype="bf16")
+    bf16, _ = load_policy("tiny-qwen2", "bf16", lora, dtype="bf16")
+    assert any(type(p).__name__ == "Params4bit" for p in nf4.parameters())
+    assert count_parameters(nf4)["total"] == count_parameters(bf16)["total"]
+    if lora is not None:
+        assert count_parameters(nf4) == count_parameters(bf16)
+
+
+def test_nf4_trains_after_a_no_grad_eval_forward():
+    """A rollout (eval mode, no grad) before the update, as in every RL step: bitsandbytes >= 0.50
+    on AVX512-BF16 CPUs would repack the weights for a no-autograd gemv there and the training
+    forward after it fail. Every LoRA tensor, also of the first layer, must get a gradient."""
+    pytest.importorskip("bitsandbytes")
+    model, _ = load_policy("tiny-qwen2", "nf4", LoraSettings(rank=4, alpha=8), dtype="bf16")
+    model.eval()
+    with torch.no_grad():
+        model(_ids())
+    model.train()
+    model(_ids(), labels=_ids()).loss.backward()
+    trainable = {n for n, p in model.named_parameters() if p.requires_grad}
+    assert trainable == {n for n, p in model.named_parameters() if p.grad is not None}
+    assert all(p.grad.abs().sum() > 0 for n, p in model.named_parameters() if "lora_B" in n and "layers.0." in n)
+
+
+def test_params4bit_counted_by_quant_state_shape():
+    """The same without bitsandbytes: a stand-in ``Params4bit`` (matched by class name, as
+    ``qerl.model`` does) with packed storage counts its ``quant_state.shape``."""
+
+    class Params4bit(torch.nn.Parameter):
+        pass
+
+    module = torch.nn.Module()
+    module.weight = Params4bit(torch.zeros(6 * 32 // 2, 1, dtype=torch.uint8), requires_grad=False)
+    module.weight.quant_state = SimpleNamespace(shape=torch.Size([6, 32]))
+    module.bias = torch.nn.Parameter(torch.zeros(6))
+    assert count_parameters(module) == {"trainable": 6, "total": 6 * 32 + 6}
 
 
 @pytest.mark.parametrize("arch", ARCHS)
