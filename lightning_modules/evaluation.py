@@ -163,9 +163,18 @@ class EvaluationMixin:
                 "sampled_correct": None if sampled_ok is None else sampled_ok[i].tolist(),
             })
 
+    def _evaluated_step(self) -> int:
+        """The optimizer step of the evaluated weights: the trainer's during fit; in validate / test
+        with ``--ckpt_path`` the checkpoint's (Lightning restores no loop state there: global_step is 0)."""
+        loaded = getattr(self, "checkpoint_step", None)
+        if self.trainer.state.fn != "fit" and loaded is not None:
+            return int(loaded)
+        return self.trainer.global_step
+
     def _end_eval(self, stage: str) -> None:
         self._engine_awake.close()
-        self.log("step", float(self.global_step), on_step=False, on_epoch=True, batch_size=1)  # x-axis: optimizer steps
+        step = self._evaluated_step()
+        self.log("step", float(step), on_step=False, on_epoch=True, batch_size=1)  # x-axis: optimizer steps
         self._eval_records = gather_records(self._eval_records)
         results = {}
         for name, rows in self._eval_records.items():
@@ -174,18 +183,18 @@ class EvaluationMixin:
             for key, value in values.items():
                 if key != "problems":
                     self.log(f"{stage}/{name}/{key}", value, on_step=False, on_epoch=True, batch_size=1)
-        self._write_eval_report(stage, results)
+        self._write_eval_report(stage, results, step)
 
-    def _write_eval_report(self, stage: str, results: dict) -> None:
+    def _write_eval_report(self, stage: str, results: dict, step: int) -> None:
         log_dir = getattr(self.trainer, "log_dir", None)
         if not log_dir or not self.trainer.is_global_zero:
             return
         out = os.path.join(log_dir, "eval")
         os.makedirs(out, exist_ok=True)
-        stem = os.path.join(out, f"{stage}_step{self.trainer.global_step}")
+        stem = os.path.join(out, f"{stage}_step{step}")
         s = self.eval_settings
         with open(stem + ".json", "w") as f:
-            json.dump({"stage": stage, "global_step": self.trainer.global_step, "model": self.model_name,
+            json.dump({"stage": stage, "global_step": step, "ckpt_path": self.trainer.ckpt_path, "model": self.model_name,
                        "quantization": self.quantization, "use_adapter": s.use_adapter,
                        "max_new_tokens": s.max_new_tokens, "samples": s.samples, "temperature": s.temperature,
                        "top_p": s.top_p, "adapter_path": getattr(self, "adapter_path", None), "metrics": results,
@@ -196,7 +205,7 @@ class EvaluationMixin:
             lines.append(f"| {name} | {values['problems']} | " + " | ".join(f"{100 * values[k]:.1f}%" for k in keys) + " |")
         with open(stem + ".md", "w") as f:
             f.write(f"{self.model_name} ({self.quantization}, adapter={'on' if s.use_adapter else 'off'}), "
-                    f"step {self.trainer.global_step}; pass@1 is greedy, mean@n and pass@k from n = {s.samples} "
+                    f"step {step}; pass@1 is greedy, mean@n and pass@k from n = {s.samples} "
                     f"samples at T = {s.temperature}, top-p {s.top_p}\n\n" + "\n".join(lines) + "\n")
 
     # Lightning hooks

@@ -17,7 +17,8 @@ bottom:
 x-axes: every ``train/*`` and ``time/*`` scalar is logged once per rollout batch at
 ``trainer.global_step``, which counts optimizer steps (it grows by ``updates_per_rollout`` per
 batch). Checkpoints hold only trainable parameters (LoRA, optional norms), optimizer, scheduler and
-callback state; the frozen base is rebuilt from ``model`` on resume.
+callback state; the frozen base is rebuilt from ``model`` on resume, and the config is what runs
+(``lightning_modules/checkpointing.py``).
 """
 
 from __future__ import annotations
@@ -34,17 +35,18 @@ from lightning.pytorch.utilities import rank_zero_warn
 
 from qerl.losses import group_advantages, policy_loss, selective_log_softmax, entropy_from_logits, masked_mean
 from qerl.losses import high_entropy_mask, truncated_is_weights
-from lightning_modules.settings import LIGHTNING_ADVICE_THAT_DOES_NOT_APPLY, checkpoint_interval_warnings, lr_factor
+from lightning_modules.checkpointing import ResumeMixin
+from lightning_modules.settings import LIGHTNING_ADVICE_THAT_DOES_NOT_APPLY, lr_factor, step_count_warnings
 from lightning_modules.settings import LossSettings, OptimizerSettings  # noqa: F401  (the CLI's model.loss, .optimizer)
 from lightning_modules.evaluation import EvalSettings, EvaluationMixin  # noqa: F401  (EvalSettings: the CLI's model.eval)
 from qerl.model import LoraSettings, load_policy, load_tokenizer
 from qerl.rollout import Rollout
-from qerl.seeding import global_rng_state, resolve_seed, set_global_rng_state
+from qerl.seeding import resolve_seed
 
 log = logging.getLogger(__name__)
 
 
-class QeRLModule(EvaluationMixin, L.LightningModule):
+class QeRLModule(ResumeMixin, EvaluationMixin, L.LightningModule):
     """The policy (frozen NVFP4/bf16 base + LoRA) and the RL update.
 
     Args:
@@ -95,7 +97,6 @@ class QeRLModule(EvaluationMixin, L.LightningModule):
         self.noisy_norms = None
         self.aqn_apply_to: Literal["rollout", "both"] = "both"
         self._streaks = {"zero_std": 0, "truncated": 0, "skipped": 0}
-        self._resume_rng: dict | None = None  # global RNG of a loaded checkpoint, restored at the next batch
 
     # ---------------------------------------------------------------- model
     @property
@@ -133,11 +134,15 @@ class QeRLModule(EvaluationMixin, L.LightningModule):
 
     def configure_callbacks(self):
         """Lightning's summary prints params x 4 B as the model size; this one the real bytes (NVFP4 packed).
-        Also warns when a checkpoint interval cannot be met (see :func:`checkpoint_interval_warnings`)."""
+        Checkpoint files are named by the optimizer step they hold (see ``callbacks/checkpoint.py``).
+        Warns when a checkpoint interval or max_steps does not fit (see :func:`step_count_warnings`)."""
+        from callbacks.checkpoint import use_step_checkpoints
         from callbacks.summary import replace_default_summary
 
         replace_default_summary(self.trainer.callbacks)
-        for message in checkpoint_interval_warnings(self.trainer.callbacks, self.loss_settings.updates_per_rollout):
+        use_step_checkpoints(self.trainer.callbacks)
+        for message in step_count_warnings(self.trainer.callbacks, self.loss_settings.updates_per_rollout,
+                                           self.trainer.max_steps):
             rank_zero_warn(message)
         for message in LIGHTNING_ADVICE_THAT_DOES_NOT_APPLY:
             warnings.filterwarnings("ignore", message=message)
@@ -356,46 +361,7 @@ class QeRLModule(EvaluationMixin, L.LightningModule):
             return flag
         return self.trainer.strategy.reduce_boolean_decision(flag, all=True)
 
-    # ---------------------------------------------------------------- checkpoints
-    def on_save_checkpoint(self, checkpoint: dict) -> None:
-        """Keep only trainable parameters: the frozen base is rebuilt from ``model`` on resume. Also
-        keep the global generators (LoRA dropout draws from them), restored at the next batch; under
-        DDP every rank's (rank 0 writes the file, but the ranks' generators differ once they have
-        drawn different amounts; every rank runs this hook, so the gather pairs up). And the
-        silent-failure streaks (decided over all ranks, so one copy fits every rank): a run resumed
-        in the middle of a failure still warns after ``warn_after_steps`` steps in all."""
-        trainable = {n for n, p in self.named_parameters() if p.requires_grad}
-        checkpoint["state_dict"] = {k: v for k, v in checkpoint["state_dict"].items() if k in trainable}
-        checkpoint["qerl_rng"] = global_rng_state()
-        checkpoint["qerl_streaks"] = dict(self._streaks)
-        if self._world_size() > 1:
-            states = [None] * self._world_size()
-            torch.distributed.all_gather_object(states, checkpoint["qerl_rng"])
-            checkpoint["qerl_rng_per_rank"] = states
-
-    def on_load_checkpoint(self, checkpoint: dict) -> None:
-        self._streaks.update(checkpoint.get("qerl_streaks", {}))
-        per_rank, world = checkpoint.get("qerl_rng_per_rank"), self._world_size()
-        if per_rank is not None and len(per_rank) == world:
-            self._resume_rng = per_rank[self.global_rank]
-        else:  # one process, or a different world size: one state for all
-            self._resume_rng = checkpoint.get("qerl_rng")
-
-    def _world_size(self) -> int:
-        trainer = self._trainer
-        return int(trainer.world_size) if trainer is not None else 1
-
-    def on_after_batch_transfer(self, batch, dataloader_idx: int):
-        # restored here, not at load: Lightning draws from the global generator in between (the
-        # dataloader iterator's base seed), which the uninterrupted run did before its first batch;
-        # and not in on_train_batch_start, which runs after the callbacks' (the rollout and its
-        # reward functions may draw from the global generators: a sampling judge, a verifier).
-        # (on_before_batch_transfer belongs to the DataModule: it counts consumed batches there.)
-        if self._resume_rng is not None and self._trainer is not None and self.trainer.training:
-            set_global_rng_state(self._resume_rng)
-            self._resume_rng = None
-        return batch
-
+    # ---------------------------------------------------------------- the adapter
     def on_train_end(self) -> None:
         """Write the adapter in peft format next to the logs (what users serve or evaluate)."""
         log_dir = self.trainer.log_dir  # a collective under DDP: every rank asks, rank 0 writes

@@ -113,10 +113,13 @@ LIGHTNING_ADVICE_THAT_DOES_NOT_APPLY = (
 )
 
 
-def checkpoint_interval_warnings(callbacks: list, updates_per_rollout: int) -> list[str]:
-    """One message per ``ModelCheckpoint(every_n_train_steps=n)`` whose n is not a multiple of
-    ``updates_per_rollout``: Lightning saves when ``global_step % n == 0``, and global_step grows by
-    ``updates_per_rollout`` per training step, so such a callback saves only every lcm(n, K) steps."""
+def step_count_warnings(callbacks: list, updates_per_rollout: int, max_steps: int) -> list[str]:
+    """Counts that do not fit ``updates_per_rollout`` (K): global_step grows by K per rollout batch.
+
+    One message per ``ModelCheckpoint(every_n_train_steps=n)`` whose n is not a multiple of K
+    (Lightning saves when ``global_step % n == 0``, so such a callback saves only every lcm(n, K)
+    steps), and one when ``max_steps`` is not a multiple of K (the last batch runs past it; its
+    extra updates see the schedule's final LR: 0 for cosine and linear)."""
     from lightning.pytorch.callbacks import ModelCheckpoint
 
     out = []
@@ -126,6 +129,11 @@ def checkpoint_interval_warnings(callbacks: list, updates_per_rollout: int) -> l
             out.append(f"ModelCheckpoint(every_n_train_steps={n}) will save every {math.lcm(n, updates_per_rollout)} "
                        f"optimizer steps: global_step grows by updates_per_rollout={updates_per_rollout} per rollout "
                        f"batch; use a multiple of {updates_per_rollout}")
+    if max_steps > 0 and max_steps % updates_per_rollout:
+        end = math.ceil(max_steps / updates_per_rollout) * updates_per_rollout
+        out.append(f"trainer.max_steps={max_steps} is not a multiple of updates_per_rollout={updates_per_rollout}: "
+                   f"the last rollout batch runs on to step {end}, {end - max_steps} update(s) past the LR schedule's "
+                   f"end (at lr 0 for cosine and linear); use a multiple of {updates_per_rollout}")
     return out
 
 
@@ -140,3 +148,48 @@ def lr_factor(step: int, total: int, warmup_ratio: float, schedule: str) -> floa
     if schedule == "linear":
         return 1.0 - progress
     return 1.0
+
+
+def apply_optimizer_settings(optimizer, scheduler, settings: OptimizerSettings, max_steps: int,
+                             saved_max_steps: int | None = None) -> list[str]:
+    """Make a resumed optimizer and LR schedule follow the config, not the checkpoint; returns what changed.
+
+    Restoring a checkpoint brings back each param group's lr, betas and weight decay and the
+    scheduler's ``base_lrs``: a resume with a new ``lr`` would keep the old peak, and a new
+    ``max_steps`` would take its first update at the lr the old schedule had reached. Here every
+    group gets the configured hyperparameters and the lr of the (current) schedule at the restored
+    step. A fresh run is left exactly as built."""
+    changed = []
+    if saved_max_steps is not None and saved_max_steps != max_steps:
+        changed.append(f"trainer.max_steps changed from {saved_max_steps} to {max_steps} on resume: the LR schedule "
+                       f"and the AQN stages are laid out over {max_steps} steps from step {scheduler.last_epoch} on")
+    wanted = {"lr": settings.lr, "betas": tuple(settings.betas), "weight_decay": settings.weight_decay}
+    for group in optimizer.param_groups:
+        saved = {"lr": group.get("initial_lr", group["lr"]), "betas": tuple(group["betas"]),
+                 "weight_decay": group["weight_decay"]}
+        for key, value in wanted.items():
+            if saved[key] != value:
+                changed.append(f"model.optimizer.{key} changed from {saved[key]} to {value} on resume: using {value}")
+        group.update(initial_lr=settings.lr, betas=wanted["betas"], weight_decay=settings.weight_decay)
+    scheduler.base_lrs = [settings.lr for _ in optimizer.param_groups]
+    for group, base, factor in zip(optimizer.param_groups, scheduler.base_lrs, scheduler.lr_lambdas):
+        group["lr"] = base * factor(scheduler.last_epoch)
+    scheduler._last_lr = [group["lr"] for group in optimizer.param_groups]  # what get_last_lr() reports
+    return list(dict.fromkeys(changed))  # one line per change, not one per param group
+
+
+def hparam_differences(config: dict, saved: dict, prefix: str = "model") -> list[str]:
+    """``"model.loss.kl_coef: 0.01 (config) vs 0.0 (checkpoint)"`` for every value of the config
+    that a checkpoint's hyperparameters hold differently (nested settings compared key by key;
+    tuples and lists alike; keys the checkpoint lacks, e.g. from an older version, are skipped)."""
+    out = []
+    for key, value in config.items():
+        if key not in saved or key.startswith("_"):
+            continue
+        old, name = saved[key], f"{prefix}.{key}"
+        if isinstance(value, dict) and isinstance(old, dict):
+            out += hparam_differences(value, old, name)
+        elif (list(value) if isinstance(value, tuple) else value) != (list(old) if isinstance(old, tuple) else old):
+            out.append(f"{name}: {value!r} (config) vs {old!r} (checkpoint)")
+    return out
+

@@ -183,13 +183,15 @@ def test_per_n_step_events_fire_once_per_n_optimizer_steps_whatever_updates_per_
     assert [s for s in range(0, 20) if batch_reaches_multiple(s, 1, 5)] == [0, 5, 10, 15]
 
 
-def test_checkpoint_interval_not_a_multiple_of_updates_per_rollout_warns():
+def test_checkpoint_interval_or_max_steps_not_a_multiple_of_updates_per_rollout_warns():
     from lightning.pytorch.callbacks import ModelCheckpoint
 
-    from lightning_modules.settings import checkpoint_interval_warnings
+    from lightning_modules.settings import step_count_warnings
 
     cbs = [ModelCheckpoint(every_n_train_steps=50), ModelCheckpoint(every_n_train_steps=100), ModelCheckpoint()]
-    (msg,) = checkpoint_interval_warnings(cbs, updates_per_rollout=4)
+    (msg,) = step_count_warnings(cbs, updates_per_rollout=4, max_steps=200)
     assert "every_n_train_steps=50" in msg and "every 100 optimizer steps" in msg
-    assert checkpoint_interval_warnings(cbs, updates_per_rollout=2) == []
-    assert checkpoint_interval_warnings(cbs, updates_per_rollout=1) == []
+    assert step_count_warnings(cbs, updates_per_rollout=2, max_steps=200) == []
+    assert step_count_warnings(cbs, updates_per_rollout=1, max_steps=201) == []
+    (msg,) = step_count_warnings([], updates_per_rollout=4, max_steps=201)
+    assert "max_steps=201" in msg and "step 204" in msg and "3 update(s)" in msg

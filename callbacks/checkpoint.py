@@ -1,0 +1,34 @@
+"""Checkpoint file names that say which optimizer step they hold.
+
+``QeRLModule`` logs a ``step`` value (the optimizer step a rollout batch *started* at) so that every
+scalar of the batch lands on one TensorBoard x-axis. Lightning's ``ModelCheckpoint`` reads that same
+logged value for the ``{step}`` of its file names, but saves at the batch's *end*, after
+``updates_per_rollout`` more optimizer steps: ``epoch=0-step=0.ckpt`` would hold ``global_step`` 2
+with two updates per rollout. ``StepCheckpoint`` names files by ``trainer.global_step``, the step a
+resume continues from; ``QeRLModule.configure_callbacks`` turns the plain ``ModelCheckpoint`` of a
+YAML into one (a subclass of its own stays as it is).
+"""
+
+from __future__ import annotations
+
+import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
+
+
+class StepCheckpoint(ModelCheckpoint):
+    """``ModelCheckpoint`` whose ``{step}`` (file names, ``monitor: step``) is ``trainer.global_step``."""
+
+    def _monitor_candidates(self, trainer) -> dict[str, torch.Tensor]:
+        candidates = super()._monitor_candidates(trainer)
+        candidates["step"] = torch.tensor(trainer.global_step)
+        return candidates
+
+
+def use_step_checkpoints(callbacks: list) -> None:
+    """Make every plain ``ModelCheckpoint`` in ``callbacks`` a ``StepCheckpoint``, in place. The
+    subclass adds no state, so swapping the class keeps every argument the YAML gave (rebuilding
+    the callback would have to copy them, and returning it from ``configure_callbacks`` makes
+    Lightning print an "override" line on every run)."""
+    for cb in callbacks:
+        if type(cb) is ModelCheckpoint:
+            cb.__class__ = StepCheckpoint

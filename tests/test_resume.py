@@ -1,0 +1,70 @@
+"""Checkpoints as users meet them: file names, resuming with a changed config, evaluating a checkpoint."""
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+from test_cli import fast_args, scalars  # noqa: E402
+
+from lightning_modules.settings import hparam_differences  # noqa: E402
+from train import main  # noqa: E402
+
+
+def test_checkpoint_files_are_named_by_the_optimizer_step_they_hold(tmp_path, monkeypatch):
+    """Two updates per rollout: the batch that starts at step 0 ends (and saves) at step 2."""
+    monkeypatch.chdir(tmp_path)
+    main(["fit", *fast_args(tmp_path, 4, ["--model.loss.updates_per_rollout=2"])])
+    names = sorted(p.name for p in (tmp_path / "ckpt").glob("*.ckpt"))
+    assert "epoch=0-step=4.ckpt" in names and "last.ckpt" in names, names
+    for path in (tmp_path / "ckpt").glob("epoch=*.ckpt"):
+        step = int(path.stem.rsplit("step=", 1)[1])
+        assert torch.load(path, weights_only=False)["global_step"] == step, path.name
+
+
+def test_resume_from_a_file_runs_the_config_lr_and_max_steps(tmp_path, monkeypatch):
+    """A 2-step cosine run ends at lr 0. Resumed from the checkpoint *file* with lr doubled and
+    max_steps 2 -> 4: the config is what runs (Lightning's CLI would restore the checkpoint's lr;
+    the restored optimizer would take the first update at the old schedule's lr, 0), and both
+    changes are warned."""
+    monkeypatch.chdir(tmp_path)
+    main(["fit", *fast_args(tmp_path, 2)])  # quickstart: lr 1e-3, cosine, no warmup
+    ckpt = tmp_path / "ckpt" / "last.ckpt"
+    assert torch.load(ckpt, weights_only=False)["qerl_max_steps"] == 2
+    with pytest.warns(UserWarning) as record:
+        resumed = main(["fit", *fast_args(tmp_path, 4, ["--ckpt_path", str(ckpt), "--model.optimizer.lr=0.002"])])
+    text = " | ".join(str(w.message) for w in record)
+    assert "model.optimizer.lr: 0.002 (config) vs 0.001 (checkpoint)" in text, text
+    assert "max_steps changed from 2 to 4" in text and "lr changed from 0.001 to 0.002" in text, text
+    assert resumed.model.optim_settings.lr == 0.002
+    values, acc = scalars(resumed.trainer.log_dir)  # the resumed run's own event file
+    lrs = dict(zip((e.step for e in acc.Scalars("train/lr")), values["train/lr"]))
+    assert lrs[2] == pytest.approx(0.002 * 0.5)  # cosine over 4 steps at step 2: half the new peak
+    assert lrs[3] == pytest.approx(0.002 * 0.5 * (1 - 0.5 ** 0.5))  # and at step 3: 0.5 (1 + cos(3 pi / 4))
+
+
+def test_resume_into_another_lora_layout_fails_clearly(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    main(["fit", *fast_args(tmp_path, 1)])
+    with pytest.raises(ValueError, match="checkpoint does not fit this model"):
+        main(["fit", *fast_args(tmp_path, 2, ["--ckpt_path", "last", "--model.lora.trainable_norms=true"])])
+
+
+def test_validate_a_checkpoint_is_labelled_with_its_step(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    main(["fit", *fast_args(tmp_path / "fit", 2)])
+    ckpt = tmp_path / "fit" / "ckpt" / "last.ckpt"
+    cli = main(["validate", *fast_args(tmp_path / "val", 2, ["--ckpt_path", str(ckpt)])])
+    report = json.loads((Path(cli.trainer.log_dir) / "eval" / "val_step2.json").read_text())
+    assert report["global_step"] == 2 and report["ckpt_path"] == str(ckpt)
+    _, acc = scalars(f"{tmp_path}/val/logs")
+    assert [e.step for e in acc.Scalars("val/arithmetic/pass@1")] == [2]
+
+
+def test_hparam_differences_compares_nested_settings():
+    config = {"model": "a", "lora": {"rank": 8, "alpha": 16}, "optimizer": {"betas": (0.9, 0.99)}, "new": 1}
+    saved = {"model": "a", "lora": {"rank": 4, "alpha": 16}, "optimizer": {"betas": [0.9, 0.99]}, "_instantiator": "x"}
+    assert hparam_differences(config, saved) == ["model.lora.rank: 8 (config) vs 4 (checkpoint)"]
