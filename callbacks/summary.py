@@ -1,15 +1,19 @@
-"""Lightning's model summary with the real size of the weights.
+"""Lightning's model summary with the real size of the weights, and its progress bar without "Epoch 0/-2".
 
 Lightning estimates "params size" as parameters x 4 bytes, which for a frozen NVFP4 base
 (0.5625 B per weight: packed e2m1 codes + e4m3 block scales) or NF4 overstates the memory the
 run holds by up to 7x. ``WeightBytesSummary`` prints the same table with the bytes the tensors
 actually occupy; ``QeRLModule.configure_callbacks`` puts it in place of Lightning's default summary
 (``trainer.enable_model_summary: false`` still turns the summary off; a custom summary stays).
+
+Training here is one endless epoch of the prompt stream bounded by ``trainer.max_steps``, so
+Lightning sets ``max_epochs = -1`` and its rich bar reads "Epoch 0/-2": ``StepProgressBar`` names
+the bar "Epoch 0" there (its count is rollout batches) and is swapped in the same way.
 """
 
 from __future__ import annotations
 
-from lightning.pytorch.callbacks import ModelSummary, RichModelSummary
+from lightning.pytorch.callbacks import ModelSummary, RichModelSummary, RichProgressBar
 from lightning.pytorch.utilities.imports import _RICH_AVAILABLE
 
 from qerl.model import base_weight_bytes, is_lora_parameter
@@ -45,3 +49,21 @@ class WeightBytesSummary(_Base):
 
     def summarize(self, summary_data, total_parameters, trainable_parameters, model_size, *args, **kwargs) -> None:
         super().summarize(summary_data, total_parameters, trainable_parameters, self._megabytes, *args, **kwargs)
+
+
+class StepProgressBar(RichProgressBar):
+    """Lightning's rich progress bar; no "/-2" after the epoch when only max_steps bounds the run."""
+
+    def _get_train_description(self, current_epoch: int) -> str:
+        if self.trainer.max_epochs is not None and self.trainer.max_epochs < 0:
+            return f"{f'Epoch {current_epoch}':{len(self.validation_description)}}"  # padded as Lightning does
+        return super()._get_train_description(current_epoch)
+
+
+def replace_default_progress_bar(callbacks: list) -> None:
+    """Make Lightning's own rich progress bar in ``callbacks`` a ``StepProgressBar``, in place (the
+    subclass adds no state, so every argument it was built with stays; a custom bar stays as it is)."""
+    for cb in callbacks:
+        if type(cb) is RichProgressBar:
+            cb.__class__ = StepProgressBar
+

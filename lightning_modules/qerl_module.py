@@ -137,9 +137,10 @@ class QeRLModule(ResumeMixin, EvaluationMixin, L.LightningModule):
         Checkpoint files are named by the optimizer step they hold (see ``callbacks/checkpoint.py``).
         Warns when a checkpoint interval or max_steps does not fit (see :func:`step_count_warnings`)."""
         from callbacks.checkpoint import use_step_checkpoints
-        from callbacks.summary import replace_default_summary
+        from callbacks.summary import replace_default_progress_bar, replace_default_summary
 
         replace_default_summary(self.trainer.callbacks)
+        replace_default_progress_bar(self.trainer.callbacks)  # "Epoch 0", not "Epoch 0/-2"
         use_step_checkpoints(self.trainer.callbacks)
         for message in step_count_warnings(self.trainer.callbacks, self.loss_settings.updates_per_rollout,
                                            self.trainer.max_steps):

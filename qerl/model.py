@@ -258,6 +258,8 @@ def add_lora(model: PreTrainedModel, settings: LoraSettings) -> nn.Module:
     with warnings.catch_warnings():
         # peft warns that merge() cannot re-quantize our subclass: intended, we never merge into FP4.
         warnings.filterwarnings("ignore", message=".*get_apply_tensor_subclass.*")
+        # peft reads transformers 5's deprecated `is_gradient_checkpointing`: not ours to act on
+        warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated", category=FutureWarning)
         peft_model = get_peft_model(model, config)
     if settings.trainable_norms:
         for name, p in peft_model.named_parameters():

@@ -19,6 +19,11 @@ import torch
 import yaml
 
 ROOT = Path(__file__).resolve().parent.parent
+# 2 CPU processes (gloo, fp32) everywhere; 2 GPUs (NCCL, bf16 through the NVFP4 kernels) where there are two
+TWO_RANKS = pytest.mark.parametrize("accelerator, dtype", [
+    ("cpu", "fp32"),
+    pytest.param("gpu", "bf16", marks=[pytest.mark.gpu, pytest.mark.skipif(torch.cuda.device_count() < 2,
+                                                                            reason="needs 2 GPUs")])])
 
 
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])  # bf16: fp32 adapters on a bf16 model, as on GPUs
@@ -88,7 +93,8 @@ def test_ddp_dynamic_sampling_ranks_keep_different_group_counts(tmp_path):
         assert logged["aqn_monitor_rewards"] == pytest.approx([0.375, 0.375]), logged["aqn_monitor_rewards"]
 
 
-def test_ddp_dapo_and_batch_std_normalise_over_all_ranks(tmp_path):
+@TWO_RANKS
+def test_ddp_dapo_and_batch_std_normalise_over_all_ranks(tmp_path, accelerator, dtype):
     """dapo divides each rank's token sum by the global token count / W (DDP averages the ranks'
     gradients: the global token mean), and advantage_scale: batch divides by the std of every rank's
     rewards. Rank 1's completions are cut to half length, so the ranks' token counts differ."""
@@ -137,7 +143,7 @@ def test_ddp_dapo_and_batch_std_normalise_over_all_ranks(tmp_path):
                 cb["init_args"]["reward"] = {"class_path": "record_norms.RankReward"}
                 cb["init_args"]["overlong_buffer"] = 0
         cfg["trainer"]["callbacks"].append({"class_path": "record_norms.RecordNormalisers"})
-    _ddp_fit(tmp_path, "cpu", "fp32", edit=dapo, timeout=300)
+    _ddp_fit(tmp_path, accelerator, dtype, edit=dapo, timeout=300)
     rows = [torch.load(tmp_path / f"norms{r}.pt") for r in (0, 1)]
     tokens = [[row[1:] for row in rank if row[0] == "tokens"] for rank in rows]
     advantages = [[row[1:] for row in rank if row[0] == "advantages"] for rank in rows]
@@ -154,7 +160,8 @@ def test_ddp_dapo_and_batch_std_normalise_over_all_ranks(tmp_path):
         assert torch.tensor(r0).std() != pytest.approx(float(std))  # not vacuous: local std differs
 
 
-def test_ddp_a_non_finite_loss_on_one_rank_skips_the_update_on_all(tmp_path):
+@TWO_RANKS
+def test_ddp_a_non_finite_loss_on_one_rank_skips_the_update_on_all(tmp_path, accelerator, dtype):
     """A NaN reward on rank 1 only (first step) makes its loss NaN: both ranks must skip that update
     together (else rank 0 waits in a gradient all-reduce that rank 1 never joins) and stay equal."""
     (tmp_path / "nanreward.py").write_text(textwrap.dedent("""
@@ -175,13 +182,10 @@ def test_ddp_a_non_finite_loss_on_one_rank_skips_the_update_on_all(tmp_path):
         for cb in cfg["trainer"]["callbacks"]:
             if cb["class_path"].endswith("RolloutCallback"):
                 cb["init_args"]["reward"] = {"class_path": "nanreward.NaNOnRank1First"}
-    _ddp_two_ranks(tmp_path, "cpu", "fp32", edit=nan_reward, timeout=300)
+    _ddp_two_ranks(tmp_path, accelerator, dtype, edit=nan_reward, timeout=300)
 
 
-@pytest.mark.parametrize("accelerator, dtype", [
-    ("cpu", "fp32"),
-    pytest.param("gpu", "bf16", marks=[pytest.mark.gpu, pytest.mark.skipif(torch.cuda.device_count() < 2,
-                                                                            reason="needs 2 GPUs")])])
+@TWO_RANKS
 def test_ddp_resume_matches_straight_run(tmp_path, monkeypatch, accelerator, dtype):
     """2 ranks: 2 steps, a checkpoint, ``--ckpt_path last`` for 2 more equals 4 steps straight (data
     position, AQN step, optimizer and LoRA restored on both ranks, and with LoRA dropout each rank's

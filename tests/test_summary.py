@@ -75,3 +75,20 @@ def test_trainable_norms_are_counted_once():
     params = list(module.model.parameters())
     assert any(p.requires_grad and p.dim() == 1 for p in params)  # the norms train
     assert summary.weight_megabytes(module) == pytest.approx(sum(p.numel() * p.element_size() for p in params) / 1e6)
+
+
+def test_progress_bar_of_a_max_steps_run_reads_epoch_0():
+    """max_steps bounds the run, so Lightning's max_epochs is -1 and its rich bar would say "Epoch 0/-2"."""
+    from lightning.pytorch.callbacks import RichProgressBar
+
+    bar = RichProgressBar()
+    trainer = L.Trainer(logger=False, accelerator="cpu", max_steps=3, callbacks=[bar], enable_checkpointing=False)
+    trainer.fit_loop.max_epochs = -1  # as fit sets it when only max_steps is given
+    bar._trainer = trainer  # as the bar's setup hook does
+    assert "/-2" in bar._get_train_description(0)
+    summary.replace_default_progress_bar(trainer.callbacks)
+    assert isinstance(bar, summary.StepProgressBar) and bar._get_train_description(0).strip() == "Epoch 0"
+    bounded = summary.StepProgressBar()
+    bounded._trainer = L.Trainer(logger=False, accelerator="cpu", max_epochs=3, enable_checkpointing=False)
+    assert bounded._get_train_description(1).strip() == "Epoch 1/2"  # an epoch-bounded run keeps Lightning's text
+
