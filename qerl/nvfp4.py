@@ -25,6 +25,10 @@ clone / copy_ (state_dict load), and makes peft wrap such linears as ``TorchaoLo
 
 from __future__ import annotations
 
+import importlib.util
+import sys
+from pathlib import Path
+
 import torch
 import torch.nn.functional as F
 from torchao.prototype.mx_formats.kernels import f4_unpacked_to_f32, unpack_uint4
@@ -66,12 +70,38 @@ def dequantize_nvfp4(
     return (values * block_scales.unsqueeze(-1)).view(n, k).to(dtype)
 
 
+_KERNELS = None  # this repository's kernels/ package, once loaded
+
+
+def load_kernels():
+    """This repository's ``kernels/`` package (imported lazily: CPU machines need no Triton).
+
+    Hugging Face's ``kernels`` (the hub-kernels package transformers and bitsandbytes use) has the
+    same top-level name and wins wherever the repository root is not first on ``sys.path``; then
+    ours is loaded from its own path as ``qerl_kernels`` and theirs is left alone."""
+    global _KERNELS
+    if _KERNELS is None:
+        try:
+            import kernels as found
+        except ImportError:
+            found = None
+        if not hasattr(found, "nvfp4_linear_forward"):
+            root = Path(__file__).resolve().parent.parent / "kernels"
+            found = sys.modules.get("qerl_kernels")
+            if found is None:
+                spec = importlib.util.spec_from_file_location(
+                    "qerl_kernels", root / "__init__.py", submodule_search_locations=[str(root)])
+                found = importlib.util.module_from_spec(spec)
+                sys.modules["qerl_kernels"] = found  # before running it: its relative imports look here
+                spec.loader.exec_module(found)
+        _KERNELS = found
+    return _KERNELS
+
+
 def _use_kernels(x: torch.Tensor) -> bool:
     if not x.is_cuda or _CUDA_BACKEND == "reference":
         return False
-    import kernels  # imported lazily: CPU machines need no Triton
-
-    return kernels.is_available(x.device)
+    return load_kernels().is_available(x.device)
 
 
 class NVFP4Linear(torch.autograd.Function):
@@ -84,9 +114,7 @@ class NVFP4Linear(torch.autograd.Function):
         ctx.has_bias = bias is not None
         x2d = x.reshape(-1, x.shape[-1])  # (M, K)
         if _use_kernels(x2d):
-            from kernels import nvfp4_linear_forward
-
-            y2d = nvfp4_linear_forward(x2d.contiguous(), qdata, scale, per_tensor_scale)  # (M, N)
+            y2d = load_kernels().nvfp4_linear_forward(x2d.contiguous(), qdata, scale, per_tensor_scale)  # (M, N)
             if bias is not None:
                 y2d = y2d + bias
         else:
@@ -100,9 +128,7 @@ class NVFP4Linear(torch.autograd.Function):
         grad_x = grad_bias = None
         if ctx.needs_input_grad[0]:
             if _use_kernels(g2d):
-                from kernels import nvfp4_linear_grad_input
-
-                gx2d = nvfp4_linear_grad_input(g2d.contiguous(), qdata, scale, per_tensor_scale)
+                gx2d = load_kernels().nvfp4_linear_grad_input(g2d.contiguous(), qdata, scale, per_tensor_scale)
             else:
                 gx2d = g2d @ dequantize_nvfp4(qdata, scale, per_tensor_scale, g2d.dtype)  # (M, K)
             grad_x = gx2d.view(*grad_out.shape[:-1], gx2d.shape[-1])

@@ -2,6 +2,8 @@
 
 import copy
 import io
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -116,3 +118,25 @@ def test_dequantize_function_matches_method():
     lin, _ = _linear()
     w = lin.weight
     assert torch.equal(dequantize_nvfp4(w.qdata, w.scale, w.per_tensor_scale, torch.float32), w.dequantize(torch.float32))
+
+
+def test_kernels_load_past_a_foreign_kernels_package(monkeypatch):
+    """Hugging Face's ``kernels`` shares our kernels/ package's top-level name and wins wherever the
+    repository root is not first on sys.path: the CUDA path must still reach ours, and leave theirs."""
+    import types
+
+    import qerl.nvfp4 as nvfp4
+
+    foreign = types.ModuleType("kernels")
+    foreign.get_kernel = lambda *a, **k: None  # what their users import
+    monkeypatch.setitem(sys.modules, "kernels", foreign)
+    monkeypatch.delitem(sys.modules, "qerl_kernels", raising=False)
+    monkeypatch.setattr(nvfp4, "_KERNELS", None)
+    ours = nvfp4.load_kernels()
+    assert ours is not foreign and sys.modules["kernels"] is foreign
+    assert Path(ours.__file__).resolve() == Path(nvfp4.__file__).resolve().parent.parent / "kernels" / "__init__.py"
+    assert callable(ours.nvfp4_linear_forward) and ours.is_available("cpu") is False
+    monkeypatch.setattr(nvfp4, "_KERNELS", None)
+    monkeypatch.setitem(sys.modules, "kernels", ours)  # the usual case: the repository's own package
+    assert nvfp4.load_kernels() is ours
+
