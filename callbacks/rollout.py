@@ -154,15 +154,22 @@ class RolloutCallback(L.Callback):
         if "vllm" not in sys.modules and importlib.util.find_spec("vllm") is None:
             raise ModuleNotFoundError("rollout engine 'vllm' needs vLLM (CUDA): pip install -e '.[vllm]' "
                                       "(or use engine: hf)")
-        longest = getattr(trainer.datamodule, "max_prompt_length", None)
-        limit = self.vllm.max_model_len
-        new_tokens = {"sampling.max_new_tokens": self.sampling.max_new_tokens}
+        data, limit = trainer.datamodule, self.vllm.max_model_len
+        if limit is None or data is None:
+            return
+        # (prompt length, what it is, new tokens, their setting): training prompts are capped by
+        # data.max_prompt_length; evaluation ones are measured (the val sets are loaded by now)
+        checks = [(getattr(data, "max_prompt_length", None), "data.max_prompt_length",
+                   self.sampling.max_new_tokens, "sampling.max_new_tokens")]
         evaluation = getattr(pl_module, "eval_settings", None)
-        if evaluation is not None and evaluation.engine == "rollout":  # evaluation runs in this vLLM too
-            new_tokens["model.eval.max_new_tokens"] = evaluation.max_new_tokens
-        for name, count in new_tokens.items():
-            if longest is not None and limit is not None and longest + count > limit:
-                raise ValueError(f"data.max_prompt_length={longest} + {name}={count} exceeds vllm.max_model_len={limit}")
+        if evaluation is not None and evaluation.engine == "rollout" and hasattr(data, "longest_prompt"):
+            checks.append((data.longest_prompt("eval"), "the longest val prompt",  # evaluation runs in this vLLM
+                           evaluation.max_new_tokens, "model.eval.max_new_tokens"))
+        for longest, what, count, name in checks:
+            if longest and longest + count > limit:
+                raise ValueError(f"{what} ({longest} tokens) + {name}={count} exceeds vllm.max_model_len={limit}: "
+                                 "raise vllm.max_model_len, or lower the other two (data.max_eval_prompt_length "
+                                 "caps evaluation prompts)")
 
     # ------------------------------------------------------------------ the rollout
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:

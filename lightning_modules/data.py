@@ -85,8 +85,10 @@ class PromptDataModule(L.LightningDataModule):
             overrides the layout default).
         system_prompt: System message before every question; None or "" for none.
         prompts_per_step: Prompts per training batch (per device); each is sampled G times later.
-        max_prompt_length: Longest prompt in tokens (chat template included); longer prompts are
-            dropped, with a logged count.
+        max_prompt_length: Longest training prompt in tokens (chat template included); longer
+            prompts are dropped, with a logged count.
+        max_eval_prompt_length: The same for the val/test sets; null (default) keeps every problem,
+            so a benchmark score is over the whole set (a limit logs how many it dropped).
         num_train_examples: Use only the first N usable training rows (None: all).
         num_val_examples: Use only the first N usable rows of each val/test set (None: all).
         val_prompts_per_batch: Prompts per validation/test batch (None: ``prompts_per_step``).
@@ -111,6 +113,7 @@ class PromptDataModule(L.LightningDataModule):
         system_prompt: str | None = DEFAULT_SYSTEM_PROMPT,
         prompts_per_step: int = 8,
         max_prompt_length: int = 512,
+        max_eval_prompt_length: int | None = None,
         num_train_examples: int | None = None,
         num_val_examples: int | None = None,
         val_prompts_per_batch: int | None = None,
@@ -121,8 +124,9 @@ class PromptDataModule(L.LightningDataModule):
         super().__init__()
         if prompts_per_step < 1:
             raise ValueError(f"prompts_per_step must be >= 1, got {prompts_per_step}")
-        if max_prompt_length < 1:
-            raise ValueError(f"max_prompt_length must be >= 1, got {max_prompt_length}")
+        if max_prompt_length < 1 or (max_eval_prompt_length is not None and max_eval_prompt_length < 1):
+            raise ValueError(f"data.max_prompt_length and max_eval_prompt_length must be >= 1, got "
+                             f"{max_prompt_length} and {max_eval_prompt_length}")
         self.save_hyperparameters()
         self.train_source = train_source
         self.val_sources = dict(val_sources or {})
@@ -135,6 +139,7 @@ class PromptDataModule(L.LightningDataModule):
         self.system_prompt = system_prompt
         self.prompts_per_step = prompts_per_step
         self.max_prompt_length = max_prompt_length
+        self.max_eval_prompt_length = max_eval_prompt_length
         self.num_train_examples = num_train_examples
         self.num_val_examples = num_val_examples
         self.val_prompts_per_batch = val_prompts_per_batch or prompts_per_step
@@ -227,23 +232,27 @@ class PromptDataModule(L.LightningDataModule):
         return self._raw[key]
 
     def _prepared(self, kind: str, name: str) -> tuple[list[PromptExample], list[list[int]]]:
-        """Examples of one set with their prompt ids, prompts over ``max_prompt_length`` dropped."""
+        """Examples of one set with their prompt ids, prompts over the set's length limit dropped."""
         key = (kind, name)
         if key not in self._encoded:
             tokenizer = self._resolve_tokenizer()
             raw = self._load(kind, name)
-            kept, ids, dropped = encode_prompts(tokenizer, raw, self.system_prompt, self.max_prompt_length)
+            setting, limit = (("max_prompt_length", self.max_prompt_length) if kind == "train"
+                              else ("max_eval_prompt_length", self.max_eval_prompt_length))
+            kept, ids, dropped = encode_prompts(tokenizer, raw, self.system_prompt, limit)
             if dropped:
-                logger.warning(
-                    "%s set %r: dropped %d of %d prompts longer than max_prompt_length=%d tokens",
-                    kind, name, dropped, len(raw), self.max_prompt_length,
-                )
+                logger.warning("%s set %r: dropped %d of %d prompts longer than data.%s=%d tokens",
+                               kind, name, dropped, len(raw), setting, limit)
             if not kept:
-                raise ValueError(
-                    f"{kind} set {name!r}: every prompt is longer than max_prompt_length={self.max_prompt_length}"
-                )
+                raise ValueError(f"{kind} set {name!r}: every prompt is longer than data.{setting}={limit}")
             self._encoded[key] = (kept, ids)
         return self._encoded[key]
+
+    def longest_prompt(self, kind: str) -> int:
+        """Tokens of the longest prompt of the ``train`` set or of every ``eval`` (val and test) set
+        loaded so far: what an engine's context must hold besides the new tokens."""
+        keys = [("train", "train")] if kind == "train" else [k for k in self._raw if k[0] != "train"]
+        return max((len(p) for key in keys if key in self._raw for p in self._prepared(*key)[1]), default=0)
 
     # ------------------------------------------------------------------ dataloaders
 

@@ -288,10 +288,13 @@ def test_seeded_order_is_reproducible_and_cycles_epochs(tokenizer):
     assert sum(a[7:14], []) == epoch_permutation(30, 3, 1)[:28].tolist()
 
 
-def test_length_filter_drops_long_prompts(tmp_path, tokenizer, caplog):
+def test_length_filter_drops_long_training_prompts_but_no_benchmark_problem(tmp_path, tokenizer, caplog):
+    """max_prompt_length filters training prompts; a val/test set keeps every problem (a score over a
+    subset is not the benchmark's) unless max_eval_prompt_length says otherwise."""
     rows = [{"question": "Short?", "answer": "#### 1"}, {"question": "Long " * 100 + "?", "answer": "#### 2"}] * 4
     path = write_jsonl(tmp_path / "g.jsonl", rows)
     short_len = len(build_prompt_ids(tokenizer, "Short?", DEFAULT_SYSTEM_PROMPT))
+    long_len = len(build_prompt_ids(tokenizer, "Long " * 100 + "?", DEFAULT_SYSTEM_PROMPT))
     with caplog.at_level(logging.WARNING, logger="lightning_modules.data"):
         dm = make_dm(
             tokenizer, train_source=path, val_sources={"g": path}, max_prompt_length=short_len + 10,
@@ -300,8 +303,14 @@ def test_length_filter_drops_long_prompts(tmp_path, tokenizer, caplog):
         batches = take(dm, 4)
         val = dm.val_dataloader()
     assert {p for b in batches for p in b["prompts"]} == {"Short?"}
-    assert sum(len(b["prompts"]) for b in val[0]) == 4
-    assert "dropped 4 of 8 prompts longer than max_prompt_length" in caplog.text
+    assert sum(len(b["prompts"]) for b in val[0]) == 8
+    assert "train set 'train': dropped 4 of 8 prompts longer than data.max_prompt_length" in caplog.text
+    assert "val set" not in caplog.text
+    assert dm.longest_prompt("eval") == long_len and dm.longest_prompt("train") == short_len
+    capped = make_dm(tokenizer, train_source=path, val_sources={"g": path}, num_train_examples=None,
+                     max_eval_prompt_length=short_len + 10)
+    assert sum(len(b["prompts"]) for b in capped.val_dataloader()[0]) == 4
+    assert "val set 'g': dropped 4 of 8 prompts longer than data.max_eval_prompt_length" in caplog.text
 
 
 def test_refill_prompts_are_seeded_and_differ_between_ranks(tokenizer, monkeypatch):

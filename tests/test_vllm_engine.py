@@ -344,7 +344,7 @@ def test_callback_makes_the_vllm_engine_lazily(fake_vllm):
 def test_callback_checks_the_vllm_setup_at_fit_start(monkeypatch):
     from callbacks.rollout import RolloutCallback
 
-    trainer = SimpleNamespace(datamodule=SimpleNamespace(max_prompt_length=200))
+    trainer = SimpleNamespace(datamodule=SimpleNamespace(max_prompt_length=200, longest_prompt=lambda kind: 120))
     cb = RolloutCallback(engine="vllm", sampling=SamplingSettings(max_new_tokens=100),
                          vllm=VLLMSettings(max_model_len=256))
     monkeypatch.delitem(sys.modules, "vllm", raising=False)
@@ -352,11 +352,13 @@ def test_callback_checks_the_vllm_setup_at_fit_start(monkeypatch):
     with pytest.raises(ModuleNotFoundError, match=r"pip install -e '\.\[vllm\]'"):
         cb.on_fit_start(trainer, None)
     monkeypatch.setitem(sys.modules, "vllm", types.ModuleType("vllm"))
-    with pytest.raises(ValueError, match=r"max_prompt_length=200 \+ sampling.max_new_tokens=100 exceeds vllm.max_model_len=256"):
+    with pytest.raises(ValueError, match=r"max_prompt_length \(200 tokens\) \+ sampling.max_new_tokens=100 exceeds "
+                                         r"vllm.max_model_len=256"):
         cb.on_fit_start(trainer, None)
-    cb.vllm.max_model_len = 300  # training fits; evaluation in this vLLM (eval.engine: rollout) must fit too
-    module = SimpleNamespace(eval_settings=EvalSettings(max_new_tokens=200))
-    with pytest.raises(ValueError, match=r"model.eval.max_new_tokens=200 exceeds vllm.max_model_len=300"):
+    cb.vllm.max_model_len = 300  # training fits; evaluation in this vLLM (eval.engine: rollout) must fit too,
+    module = SimpleNamespace(eval_settings=EvalSettings(max_new_tokens=200))  # with the val sets' longest prompt
+    with pytest.raises(ValueError, match=r"longest val prompt \(120 tokens\) \+ model.eval.max_new_tokens=200 exceeds "
+                                         r"vllm.max_model_len=300"):
         cb.on_fit_start(trainer, module)
     module.eval_settings.engine = "hf"  # evaluation in the embedded engine: vLLM's context does not matter
     monkeypatch.setattr(cb, "make_engine", lambda pl_module: "engine")
