@@ -65,14 +65,15 @@ def extract_boxed(text: str) -> str | None:
 def extract_gsm8k_gold(answer_field: str) -> str:
     """Gold answer of a GSM8K ``answer`` field: text after the last ``####``.
 
-    Commas and ``$`` are removed (``#### 1,000`` → ``1000``) and whitespace is stripped. A field
-    without ``####`` is treated as the bare answer and cleaned the same way.
+    ``$`` and a final period are stripped, and a number loses its thousands separators
+    (``#### 1,000`` → ``1000``); other commas stay (``#### 3, 4``, an interval ``(1,2)``). A field
+    without ``####`` is treated as the bare answer (short-answer sets: AMC, AIME) and cleaned the same way.
     """
     text = answer_field.rsplit("####", 1)[-1] if "####" in answer_field else answer_field
-    return text.replace(",", "").replace("$", "").strip()
+    return clean_short_answer(text)
 
 
-def _clean_short_answer(text: str) -> str:
+def clean_short_answer(text: str) -> str:
     """Strip math delimiters and sentence punctuation around a one-line answer; a plain number
     loses its thousands separators (``1,000`` → ``1000``) as in `extract_gsm8k_gold`."""
     text = text.strip().strip("$").strip()
@@ -94,7 +95,7 @@ def extract_answer(completion: str) -> str | None:
         return boxed
     for pattern in (_HASH_RE, _ANSWER_IS_RE):
         hits = pattern.findall(completion)
-        if hits and _clean_short_answer(hits[-1]):
-            return _clean_short_answer(hits[-1])
+        if hits and clean_short_answer(hits[-1]):
+            return clean_short_answer(hits[-1])
     numbers = _NUMBER_RE.findall(completion)
     return numbers[-1].replace(",", "") if numbers else None

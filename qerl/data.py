@@ -12,8 +12,9 @@ Sources (`load_examples`):
   ``datasets.load_dataset(id, config, split=split)``;
 * ``"synthetic-arithmetic"``: generated "What is 7 + 5?" problems (no files, for smoke tests).
 
-Field layouts (`Layout`): ``gsm8k`` (``question`` + ``answer`` ending in ``#### 72``; the gold is
-the text after ``####`` without commas or ``$``), ``math`` (``problem`` + ``answer``, or the last
+Field layouts (`Layout`): ``gsm8k`` (``question`` + ``answer`` ending in ``#### 72``, or a short
+one-line ``answer`` as in AMC / AIME sets; the gold is the text after ``####`` without ``$`` or
+thousands separators), ``math`` (``problem`` + ``answer``, or the last
 ``\\boxed{}`` of ``solution`` when there is no ``answer``), ``custom`` (``prompt_key`` +
 ``answer_key``), and ``auto`` (detected from the first row whose keys match one of the above;
 explicit keys mean ``custom``). Every layout honours ``prompt_key``/``answer_key`` overrides.
@@ -25,9 +26,12 @@ and counted (`LoadedExamples.num_skipped`); only a source with no usable row at 
 from __future__ import annotations
 
 import logging
+import math
 import random
+import struct
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from decimal import Decimal
 from typing import Any, Literal
 
 from qerl.answers import extract_boxed, extract_gsm8k_gold
@@ -80,9 +84,35 @@ class LoadedExamples(list):
 def _as_text(value: Any) -> str:
     if value is None:
         return ""
-    if isinstance(value, float) and value.is_integer():
-        value = int(value)
+    if isinstance(value, float):
+        return _float_text(value)
     return str(value).strip()
+
+
+def _float32(value: float) -> float | None:
+    try:
+        return struct.unpack("f", struct.pack("f", value))[0]
+    except OverflowError:
+        return None
+
+
+def _float_text(value: float) -> str:
+    """A numeric answer as a person writes it: positional (``5e-05`` → ``0.00005``: math-verify
+    reads ``5e-05`` as e − 5), integers without ``.0``, and a float32 column's value by its own
+    shortest digits (``123.44999694824219`` → ``123.45``)."""
+    if not math.isfinite(value):
+        return str(value)
+    if value.is_integer():
+        return str(int(value))
+    text = repr(value)
+    if _float32(value) == value:  # a float32 column widened to float64: its shortest float32 digits
+        text = next(t for digits in range(1, 10) if _float32(float(t := f"{value:.{digits}g}")) == value)
+    return format(Decimal(text), "f")
+
+
+def _is_bare_answer(text: str) -> bool:
+    """A one-line answer short enough to be the answer itself, not a worked solution."""
+    return bool(text) and "\n" not in text.strip() and len(text) <= _MAX_BARE_ANSWER
 
 
 # ----------------------------------------------------------------------------------------------
@@ -92,8 +122,10 @@ def _as_text(value: Any) -> str:
 
 def detect_layout(row: Mapping[str, Any]) -> str | None:
     """``"gsm8k"`` / ``"math"`` from a row's keys, or None if neither matches."""
-    if "question" in row and "answer" in row and "####" in _as_text(row["answer"]):
-        return "gsm8k"
+    if "question" in row and "answer" in row:
+        answer = _as_text(row["answer"])
+        if "####" in answer or _is_bare_answer(answer):  # GSM8K, or a short-answer set (AMC, AIME)
+            return "gsm8k"
     if "problem" in row and ("answer" in row or "solution" in row):
         return "math"
     return None
@@ -115,7 +147,7 @@ def _row_to_pair(row: Any, layout: str, prompt_key: str | None, answer_key: str 
     if layout == "gsm8k":
         prompt = _field(row, prompt_key or "question")
         raw = _field(row, answer_key or "answer")
-        if "####" not in raw and ("\n" in raw.strip() or len(raw) > _MAX_BARE_ANSWER):
+        if "####" not in raw and not _is_bare_answer(raw):
             # a worked solution without its '#### <answer>' line: the gold would be the whole text
             raise _BadRow("GSM8K answer has no '#### <final answer>' line")
         answer = extract_gsm8k_gold(raw)

@@ -25,7 +25,7 @@ _RawRow = tuple[int, str, Any]
 
 def _read_jsonl(path: Path) -> Iterator[_RawRow]:
     index = 0
-    with open(path, encoding="utf-8") as f:
+    with open(path, encoding="utf-8-sig") as f:
         for lineno, line in enumerate(f, start=1):
             if not line.strip():
                 continue
@@ -38,7 +38,7 @@ def _read_jsonl(path: Path) -> Iterator[_RawRow]:
 
 
 def _read_json(path: Path) -> Iterator[_RawRow]:
-    text = path.read_text(encoding="utf-8")
+    text = path.read_text(encoding="utf-8-sig")
     try:
         data = json.loads(text)
     except json.JSONDecodeError as e:

@@ -66,6 +66,7 @@ def tokenizer():
 def test_answer_parsing_helpers():
     assert extract_gsm8k_gold("blah\n#### 1,080") == "1080"
     assert extract_gsm8k_gold("#### $ 5") == "5"
+    assert extract_gsm8k_gold("#### 3, 4") == "3, 4" and extract_gsm8k_gold("(1,2)") == "(1,2)"  # not thousands
     assert extract_boxed("so $\\boxed{\\frac{1}{2}}$.") == "\\frac{1}{2}"
     assert extract_boxed("\\boxed{1} then \\boxed {x^{2}}") == "x^{2}"
     assert extract_boxed("\\boxed{a \\{ b \\}}") == "a \\{ b \\}"
@@ -438,3 +439,27 @@ def test_trainer_resume_continues_the_stream(tmp_path, tokenizer):
     trainer.save_checkpoint(ckpt)
     _, second, _ = _trainer_run(tmp_path / "b", tokenizer, max_steps=9, ckpt_path=ckpt)
     assert first.seen + second.seen == full.seen
+
+
+@pytest.mark.parametrize("value,text", [
+    (5e-05, "0.00005"),  # not "5e-05": math-verify reads that as e - 5
+    (27.0, "27"), (-0.5, "-0.5"), (1e20, "100000000000000000000"),
+    (float(torch.tensor(123.45, dtype=torch.float32)), "123.45"),  # a float32 parquet column
+    (0.1, "0.1"), (float("inf"), "inf"),
+])
+def test_numeric_answers_are_written_as_people_write_them(value, text):
+    assert qdata._as_text(value) == text
+
+
+def test_short_answer_sets_and_byte_order_marks_load(tmp_path):
+    """AMC / AIME style rows (``question`` + a short, often numeric ``answer``) auto-detect; a file
+    saved with a UTF-8 byte-order mark keeps its first row."""
+    rows = [{"question": "How many?", "answer": 27.0, "id": 1}, {"question": "Which?", "answer": "\\frac{1}{2}"}]
+    path = tmp_path / "amc.jsonl"
+    path.write_text("\ufeff" + "\n".join(json.dumps(r) for r in rows) + "\n", encoding="utf-8")
+    examples = load_examples(str(path), "test")
+    assert [(e.prompt, e.answer) for e in examples] == [("How many?", "27"), ("Which?", "\\frac{1}{2}")]
+    as_json = tmp_path / "amc.json"
+    as_json.write_text("\ufeff" + json.dumps(rows), encoding="utf-8")
+    assert len(load_examples(str(as_json), "test")) == 2
+
