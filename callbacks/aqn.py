@@ -17,6 +17,7 @@ import math
 from typing import Literal
 
 import lightning as L
+import torch
 
 from qerl.seeding import resolve_seed
 from qerl.aqn import ExponentialSchedule, MonitorState, NoiseController, attach_noisy_norms
@@ -95,8 +96,9 @@ class AQNCallback(L.Callback):
         (``train/entropy`` is logged reduced): every rank's controller then takes the same decision,
         so all ranks draw the same noise, and rank 0's checkpointed state is every rank's."""
         rollout = batch.get("rollout") if isinstance(batch, dict) else None
-        if rollout is not None:
-            reward = rollout.rewards.float().mean()
+        if rollout is not None:  # every sampled group's reward: dynamic sampling's kept ones stay near 0.5
+            sampled = getattr(rollout, "sampled_reward", None)
+            reward = rollout.rewards.float().mean() if sampled is None else torch.tensor(sampled)
             if getattr(trainer, "world_size", 1) > 1:
                 reward = trainer.strategy.reduce(reward.to(pl_module.device), reduce_op="mean")
             self.monitor.rewards.append(float(reward))

@@ -196,6 +196,7 @@ class RolloutCallback(L.Callback):
             more, more_dropped = self._sample_groups(*extra, pl_module, step, round_, timings)
             kept += more
             dropped += more_dropped
+        sampled_reward = float(torch.cat([g["rewards"] for g in kept + dropped]).mean())  # before the filter
         if self.dynamic_sampling:
             if not kept:  # no task signal anywhere: train on the original batch (advantages 0, or only
                 # the overlong penalty's length signal when shaping is on)
@@ -206,6 +207,7 @@ class RolloutCallback(L.Callback):
             n = min_over_ranks(trainer, len(kept), pl_module.device)
             kept, dropped = kept[:n], dropped + kept[n:]
         batch["rollout"] = self._to_rollout(kept, len(dropped) if self.dynamic_sampling else 0, pl_module, timings)
+        batch["rollout"].sampled_reward = sampled_reward
         steps_per_batch = getattr(getattr(pl_module, "loss_settings", None), "updates_per_rollout", 1)
         if self.log_every > 0 and batch_reaches_multiple(step, steps_per_batch, self.log_every):
             self._log_table(trainer, batch["rollout"], step)

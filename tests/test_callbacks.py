@@ -62,6 +62,12 @@ def test_dynamic_sampling_drops_flat_groups_and_refills():
     assert rollout.rewards.tolist() == [1.0, 0.0, 0.0, 1.0]
     assert rollout.num_groups_dropped == 1
     assert rollout.completion_mask.sum().item() == 4
+    assert abs(rollout.sampled_reward - 2 / 6) < 1e-6  # every generated group, the dropped flat one too
+
+    # the adaptive AQN controller watches that reward, not the kept groups' (near 0.5 by construction)
+    aqn = AQNCallback(controller=ConstantNoise(sigma=0.0))
+    aqn.on_train_batch_end(SimpleNamespace(world_size=1, callback_metrics={}), module, None, batch, 0)
+    assert aqn.monitor.rewards == [rollout.sampled_reward]
 
 
 def test_dynamic_sampling_ignores_length_shaping():

@@ -14,7 +14,7 @@ from train import main
 
 QUICKSTART = str(Path(__file__).parent.parent / "configs" / "quickstart.yaml")
 REQUIRED_SCALARS = [
-    "train/reward", "train/reward_std", "train/frac_reward_zero_std", "train/entropy", "train/kl",
+    "train/reward", "train/reward_sampled", "train/reward_std", "train/frac_reward_zero_std", "train/entropy", "train/kl",
     "train/loss", "train/clip_ratio/low", "train/clip_ratio/high", "train/is_ratio/mean",
     "train/completion_length/mean", "train/completion_length/max", "train/clipped_ratio",
     "train/grad_norm", "train/lr", "train/rewards/accuracy", "train/rewards/format",

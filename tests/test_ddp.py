@@ -89,8 +89,10 @@ def test_ddp_dynamic_sampling_ranks_keep_different_group_counts(tmp_path):
         logged = torch.load(tmp_path / f"logged{r}.pt")
         assert abs(logged["train/reward"] - 0.375) < 1e-6 and abs(logged["train/rewards/skewed"] - 0.375) < 1e-6, logged
         assert logged["train/groups_dropped"] == 1.0      # rank 0 its surplus group, rank 1 its flat one
-        # the AQN state monitor (closed-loop controllers) sees the same, reduced reward on both ranks
-        assert logged["aqn_monitor_rewards"] == pytest.approx([0.375, 0.375]), logged["aqn_monitor_rewards"]
+        # every sampled group's reward (before the filter): rank 0's 8 completions 0.5, rank 1's 0.125;
+        # the AQN state monitor (closed-loop controllers) watches it, reduced over both ranks
+        assert abs(logged["train/reward_sampled"] - 0.3125) < 1e-6, logged
+        assert logged["aqn_monitor_rewards"] == pytest.approx([0.3125, 0.3125]), logged["aqn_monitor_rewards"]
 
 
 @TWO_RANKS

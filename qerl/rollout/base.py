@@ -136,7 +136,10 @@ class Rollout:
     completions: list[str] = field(default_factory=list)
     answers: list[str] = field(default_factory=list)
     timings: dict[str, float] = field(default_factory=dict)
-    num_groups_dropped: int = 0  # DAPO dynamic sampling: zero-signal groups filtered out
+    num_groups_dropped: int = 0  # DAPO dynamic sampling: zero-signal groups left out (0 when all were: they train)
+    # mean reward of every group generated this step, before dynamic sampling kept the mixed ones:
+    # what the policy earns (the kept groups' mean stays near 0.5 while accuracy climbs); None: = rewards
+    sampled_reward: float | None = None
 
     def to(self, device: torch.device | str) -> "Rollout":
         for name in ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask", "sampler_logprobs", "rewards", "truncated"):
