@@ -20,6 +20,7 @@ from typing import Literal
 import torch
 
 from qerl.metrics import PassAtK
+from qerl.model import base_model_only
 from qerl.rewards import MathAccuracy, extract_answer
 from qerl.rollout import SamplingSettings
 
@@ -122,8 +123,11 @@ class EvaluationMixin:
                     fused_ops=getattr(rollout_cb, "hf_fused_ops", True),
                     fused_projections=getattr(rollout_cb, "hf_fused_ops", True))
             engine = self._evaluation_engine
-        scales = self.noisy_norms.effective_scales() if self.noisy_norms is not None else None
-        engine.sync(self.model, scales, adapter=self.eval_settings.use_adapter)
+        use_adapter = self.eval_settings.use_adapter
+        # adapter off: the base model, trained norms (trainable_norms) included, also for vLLM's copy
+        with base_model_only(self.model) if not use_adapter else contextlib.nullcontext():
+            scales = self.noisy_norms.effective_scales() if self.noisy_norms is not None else None
+            engine.sync(self.model, scales, adapter=use_adapter)
         return engine
 
     def _dataset_names(self, stage: str) -> list[str]:

@@ -39,7 +39,7 @@ from lightning_modules.checkpointing import ResumeMixin
 from lightning_modules.settings import LIGHTNING_ADVICE_THAT_DOES_NOT_APPLY, lr_factor, step_count_warnings
 from lightning_modules.settings import LossSettings, OptimizerSettings  # noqa: F401  (the CLI's model.loss, .optimizer)
 from lightning_modules.evaluation import EvalSettings, EvaluationMixin  # noqa: F401  (EvalSettings: the CLI's model.eval)
-from qerl.model import LoraSettings, load_policy, load_tokenizer
+from qerl.model import LoraSettings, base_model_only, load_policy, load_tokenizer
 from qerl.rollout import Rollout
 from qerl.seeding import resolve_seed
 
@@ -228,7 +228,7 @@ class QeRLModule(ResumeMixin, EvaluationMixin, L.LightningModule):
                 del passes
             if s.kl_coef > 0:
                 noise_off = self.noisy_norms.disable() if self.noisy_norms is not None else contextlib.nullcontext()
-                with self.model.disable_adapter(), noise_off:
+                with base_model_only(self.model), noise_off:  # LoRA off, trained norms at their base values
                     ref_logprobs = torch.cat([lp(mb)[0] for mb in micro_batches])  # (N, T)
 
         # 3. K updates, each accumulating over micro-batches

@@ -15,6 +15,7 @@ single global scale (research/vllm.md §1.2): the export is then lossless.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import os
@@ -262,10 +263,39 @@ def add_lora(model: PreTrainedModel, settings: LoraSettings) -> nn.Module:
         warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated", category=FutureWarning)
         peft_model = get_peft_model(model, config)
     if settings.trainable_norms:
+        base = {}
         for name, p in peft_model.named_parameters():
             if name.rsplit(".", 2)[-2] in NOISY_NORM_NAMES:
+                base[name] = p.detach().clone()  # for the base-model passes (see base_model_only)
+                # fp32 master weights: an AdamW step at lr 1e-5 is far below bf16's spacing near 1
+                # (2^-7) and would round away every update; the norm's output keeps the input dtype
+                p.data = p.data.float()
                 p.requires_grad_(True)
+                peft_model.get_submodule(name.rsplit(".", 1)[0]).register_forward_hook(_output_in_input_dtype)
+        peft_model.qerl_base_norms = base  # a plain attribute: never in a state_dict or checkpoint
     return peft_model
+
+
+def _output_in_input_dtype(module: nn.Module, args: tuple, output):
+    return output.to(args[0].dtype) if args and isinstance(output, torch.Tensor) else output
+
+
+@contextlib.contextmanager
+def base_model_only(model: nn.Module):
+    """The base model, as the KL reference and evaluation's adapter-off row need it: LoRA disabled
+    and trained norm scales (``trainable_norms``) back at their loaded values, which peft's
+    ``disable_adapter`` alone leaves trained. Restored on exit."""
+    base = getattr(model, "qerl_base_norms", None) or {}
+    params = dict(model.named_parameters()) if base else {}
+    trained = {name: params[name].data for name in base}
+    with model.disable_adapter():
+        try:
+            for name, value in base.items():
+                params[name].data = value.to(params[name].device, params[name].dtype)
+            yield model
+        finally:
+            for name, value in trained.items():
+                params[name].data = value
 
 
 def load_policy(

@@ -63,6 +63,39 @@ def test_trainable_norms_option():
     assert all("lora_" in n or "layernorm" in n for n in trainable)
 
 
+def test_trainable_norms_learn_in_a_bf16_model_and_the_base_stays_reachable():
+    """bf16 spacing near 1 is 2^-7: AdamW steps at lr 1e-5 on bf16 norm weights round away, every
+    one. The norms train as fp32 master weights, the model still runs in bf16, and
+    ``base_model_only`` (the KL reference, adapter-off evaluation) gives the untrained base back."""
+    from qerl.model import base_model_only
+
+    model, _ = load_policy("tiny-qwen2", "nvfp4", LoraSettings(rank=4, trainable_norms=True), dtype="bf16", seed=3)
+    base, _ = load_policy("tiny-qwen2", "nvfp4", None, dtype="bf16", seed=3)
+    ids = _ids(1)
+    with torch.no_grad():
+        base_logits = base(ids).logits
+    norms = {n: p for n, p in model.named_parameters() if p.requires_grad and "layernorm" in n}
+    before = {n: p.detach().clone() for n, p in norms.items()}
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-5, weight_decay=0.0)
+    for _ in range(5):
+        out = model(ids, labels=ids)
+        assert out.logits.dtype == torch.bfloat16  # the fp32 norms do not promote the activations
+        out.loss.backward()
+        opt.step()
+        opt.zero_grad()
+    assert all(p.dtype == torch.float32 for p in norms.values())
+    assert all(not torch.equal(p, before[n]) for n, p in norms.items())
+    with torch.no_grad():
+        for p in norms.values():  # (a few such steps move the bf16 forward; make it visible now)
+            p.add_(0.05)
+        with model.disable_adapter():  # LoRA off alone: the trained norms still act
+            lora_off = model(ids).logits
+        with base_model_only(model):
+            assert torch.equal(model(ids).logits, base_logits)
+        assert not torch.equal(lora_off, base_logits)
+        assert all(not torch.equal(p, before[n]) for n, p in norms.items())  # restored after
+
+
 @pytest.mark.parametrize("arch", ARCHS)
 def test_adapter_save_reload_reproduces_logits(arch, tmp_path):
     model, _ = load_policy(arch, "nvfp4", LoraSettings(rank=4, alpha=8), dtype="fp32", seed=3)

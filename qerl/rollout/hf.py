@@ -26,6 +26,7 @@ from typing import Literal
 import torch
 import torch.nn.functional as F
 
+from qerl.model import base_model_only
 from qerl.rollout.base import Generation, RolloutEngine, SamplingSettings, pad_left, stop_token_ids
 from qerl.rollout.fast_linears import fused_projections, lean_lora_forward
 
@@ -314,7 +315,7 @@ class HFEngine(RolloutEngine):
         out = Generation([], [], [])
         was_training = self.model.training
         self.model.eval()
-        adapter_off = self.model.disable_adapter() if not self.adapter else contextlib.nullcontext()
+        adapter_off = base_model_only(self.model) if not self.adapter else contextlib.nullcontext()
         lora_dtype = self.model.get_input_embeddings().weight.dtype if self.adapter_dtype == "model" else None
         cast = (lean_lora_forward(self.model, lora_dtype)
                 if self.adapter and lora_dtype is not None else contextlib.nullcontext())
