@@ -16,7 +16,9 @@ by ``class_path`` (jsonargparse), so constructors take only simple typed keyword
 Relation to the QeRL code (research notes §4.5): its BigMath reward is math-verify accuracy
 (boxed first, 1.0/0.0) plus a 0.2 format bonus, summed with weight 1; its GSM8K reward compares
 ``<answer>`` tags exactly. Here both datasets use the boxed/math-verify path, which is robust to
-``1,000`` vs ``1000`` or ``\\frac12`` vs ``0.5`` where exact string matching is not.
+``1,000`` vs ``1000`` or ``\\frac12`` vs ``0.5`` where exact string matching is not. Extraction
+order (see `MathAccuracy`): the last ``\\boxed{}``; without one, a GSM8K-style ``#### N`` line;
+then the tail of the whole completion.
 
 Safety: a reward is called on arbitrary model output, so no call may raise or hang.
 ``MathAccuracy`` keeps only the tail of long completions, catches every exception (→ 0.0, with a
@@ -27,6 +29,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import re
 import signal
 import sys
 import threading
@@ -169,10 +172,13 @@ class RewardFunction:
 class MathAccuracy(RewardFunction):
     """1.0 if the completion's final answer equals the gold answer under math-verify, else 0.0.
 
-    The prediction is the last ``\\boxed{}`` content; without a box, the whole (tail of the)
-    completion is handed to math-verify, which takes the last LaTeX/number expression, unless
-    ``boxed_only``. Equivalences handled include ``\\frac{1}{2}``/``0.5``/``1/2``,
-    ``1,000``/``1000``, ``\\$5``/``5`` and ``5\\%``/``5``.
+    Extraction order: the last ``\\boxed{}`` content, with LaTeX thousands separators between
+    digits removed (``5\\,000``, ``5{,}000``, ``5\\!000`` → ``5000``); if it is a number
+    written in ``\\text{}`` with unit words (``\\text{18 dollars}``), that number is a further
+    candidate. Without a box (unless ``boxed_only``): the line after the last ``####`` (GSM8K
+    style) if math-verify parses anything there, else the whole (tail of the) completion, where
+    math-verify takes the last LaTeX/number expression. Equivalences handled include
+    ``\\frac{1}{2}``/``0.5``/``1/2``, ``1,000``/``1000``, ``\\$5``/``5`` and ``5\\%``/``5``.
 
     Args:
         boxed_only: If True, a completion without ``\\boxed{}`` scores 0 (no fallback parse).
@@ -208,6 +214,9 @@ class MathAccuracy(RewardFunction):
         boxed = extract_boxed(text)
         if boxed is None and self.boxed_only:
             return 0.0
+        if boxed is not None:
+            # Replace rather than add: math-verify 0.9 reads `5\,000` as 5*0 = 0 and `5\,001` as 6.
+            boxed = _DIGIT_SEP_RE.sub("", boxed)
         # Re-box the extracted content so math-verify sees exactly the last box (its boxed regex
         # is brace-balanced) rather than whatever else the completion contains.
         pred_text = "\\boxed{" + boxed + "}" if boxed is not None else text
@@ -243,17 +252,59 @@ def _parse_gold(gold: str) -> tuple:
     return tuple(parsed)
 
 
+# A thin/negative/medium space or `{,}` between a digit and a group of exactly three digits is a
+# thousands separator (`5\,000`, `1\,234.5`, `5{,}000`); `(1,\,2)` and `5\,00` are left alone.
+_DIGIT_SEP_RE = re.compile(r"(?<=\d)(?:\\[,!;]|\{,\})(?=\d{3}(?!\d))")
+_TEXT_RE = re.compile(r"\\(?:text|textrm|textbf|mbox|mathrm)\s*\{([^{}]*)\}")
+# A whole `\text{}`-unwrapped box that is one number, optionally followed by unit words.
+_NUMBER_UNITS_RE = re.compile(r"\s*(\\?\$?\s*[-+]?(?:\d[\d,]*(?:\.\d+)?|\.\d+))(?:\s+[A-Za-z][A-Za-z\s.]*)?")
+
+
+def _text_number(boxed: str) -> str | None:
+    """``\\text{18 dollars}`` → ``18``: the number of a box that, with ``\\text{}`` unwrapped, is
+    one number plus optional unit words; None for anything else (``\\text{Evelyn}``, ``2 and 3``)."""
+    if "\\" not in boxed:
+        return None
+    unwrapped = _TEXT_RE.sub(r"\1", boxed)
+    if unwrapped == boxed:
+        return None
+    m = _NUMBER_UNITS_RE.fullmatch(unwrapped)
+    return m.group(1) if m else None
+
+
+def _hash_tail(text: str) -> str | None:
+    """First non-empty line after the last ``####`` (GSM8K's answer marker), or None."""
+    if "####" not in text:
+        return None
+    tail = text.rsplit("####", 1)[1].strip()
+    return tail.split("\n", 1)[0].strip() or None
+
+
 def _parse_pred(text: str, boxed: str | None = None) -> list:
     """Parse a prediction with math-verify's defaults (LaTeX with boxed priority, then plain
-    expressions; rightmost match first).
+    expressions; rightmost match first). ``boxed`` is the (already normalised) box content that
+    ``text`` re-boxes, or None when the completion has no box.
 
     math-verify 0.9 leaves some boxed contents as bare strings (``\\boxed{5\\%}`` → ``'5\\%'``)
     although the same content parses inside ``$...$`` (→ 5); so when the box gave no SymPy
     object, the ``$content$`` parses are added as further candidates (verify takes any match).
+    A number in ``\\text{}`` with units (``\\text{18 dollars}``, a symbol ``18dollars`` to
+    math-verify) adds ``$18$`` likewise. Without a box, the line after the last ``####`` is parsed
+    first, since a GSM8K-style solution's ``$<<4+2=6.00>>6.00`` spans would otherwise outrank it.
     """
+    if boxed is None:
+        tail = _hash_tail(text)
+        if tail is not None:
+            parsed = math_verify.parse(tail, parsing_timeout=None)
+            if parsed:
+                return parsed
+        return math_verify.parse(text, parsing_timeout=None)
     parsed = math_verify.parse(text, parsing_timeout=None)
-    if boxed is not None and not any(isinstance(p, (Basic, MatrixBase)) for p in parsed):
+    if not any(isinstance(p, (Basic, MatrixBase)) for p in parsed):
         parsed = parsed + math_verify.parse(f"${boxed}$", parsing_timeout=None)
+    number = _text_number(boxed)
+    if number is not None:
+        parsed = parsed + math_verify.parse(f"${number}$", parsing_timeout=None)
     return parsed
 
 

@@ -138,7 +138,7 @@ def test_accuracy_real_math_rows(acc: MathAccuracy, solution: str, answer: str) 
 @pytest.mark.parametrize("field,gold", GSM8K_ROWS)
 def test_accuracy_gsm8k_style(acc: MathAccuracy, field: str, gold: str) -> None:
     assert acc([f"... so she makes \\boxed{{{gold}}} dollars."], [gold]) == [1.0]
-    # Without a box the fallback parses the tail, where "#### N" is the last number.
+    # Without a box the fallback parses the line after the last "####".
     assert acc([field], [gold]) == [1.0]
     assert MathAccuracy(boxed_only=True)([field], [gold]) == [0.0]
 
@@ -156,6 +156,49 @@ def test_accuracy_gsm8k_style(acc: MathAccuracy, field: str, gold: str) -> None:
     ],
 )
 def test_accuracy_wrong(acc: MathAccuracy, completion: str, gold: str) -> None:
+    assert acc([completion], [gold]) == [0.0]
+
+
+# A GSM8K test reference solution (tail) whose `$...$` spans outranked "#### 6" in the whole-text parse.
+GSM8K_DOLLAR_SPANS = (
+    "First find the fee: 2 days * $2.00/day = $<<2*2=4.00>>4.00\n"
+    'Then add the "more than a week overdue" fee to the answer from the previous step to find the '
+    "total: $4.00 + $2.00 = $<<4+2=6.00>>6.00\n#### 6"
+)
+
+
+@pytest.mark.parametrize(
+    "completion,gold",
+    [
+        (r"\boxed{\text{18 dollars}}", "18"),  # number inside \text{} with a unit word
+        (r"\boxed{\text{3.5 hours}}", "3.5"),
+        (r"\boxed{\text{5,000 people}}", "5000"),
+        (r"\boxed{5\,000}", "5000"),  # LaTeX thousands separators
+        (r"\boxed{1\,234.5}", "1234.5"),
+        (r"\boxed{1\,234\,567}", "1234567"),
+        (r"\boxed{5{,}000}", "5000"),
+        (r"\boxed{5\!000}", "5000"),
+        (r"\boxed{\text{5\,000 people}}", "5000"),
+        (GSM8K_DOLLAR_SPANS, "6"),  # no box: the "####" line comes first
+    ],
+)
+def test_accuracy_text_units_separators_hash_line(acc: MathAccuracy, completion: str, gold: str) -> None:
+    assert acc([completion], [gold]) == [1.0]
+
+
+@pytest.mark.parametrize(
+    "completion,gold",
+    [
+        (r"\boxed{\text{19 dollars}}", "18"),
+        (r"\boxed{\text{2 and 3}}", "3"),  # not one number: no unwrapped candidate
+        (r"\boxed{5\,001}", "5000"),
+        (r"\boxed{5\,000}", "0"),  # math-verify alone reads 5\,000 as 5*0
+        (r"\boxed{5\,001}", "6"),  # ... and 5\,001 as 6
+        (GSM8K_DOLLAR_SPANS.replace("#### 6", "#### 7"), "6"),
+        (GSM8K_DOLLAR_SPANS.replace("#### 6", "#### 7"), "4"),  # earlier `$4.00` span no longer wins
+    ],
+)
+def test_accuracy_units_separators_hash_line_wrong(acc: MathAccuracy, completion: str, gold: str) -> None:
     assert acc([completion], [gold]) == [0.0]
 
 
