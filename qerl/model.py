@@ -225,7 +225,9 @@ class LoraSettings:
         dropout: dropout on the adapter input (0 in QeRL).
         target_modules: module-name suffixes that get adapters.
         trainable_norms: also train the RMSNorm scales before attention and MLP, as the official
-            QeRL scripts do (``--ln True``); they are saved with the adapter and synced to the engine.
+            QeRL scripts do (``--ln True``); they are saved with the adapter and synced to the engine,
+            train as fp32 master weights (bf16 would round lr-1e-5 steps away), and are back at their
+            base values for the KL reference and adapter-off evaluation (as peft's modules_to_save).
     """
 
     rank: int = 32
