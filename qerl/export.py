@@ -318,14 +318,65 @@ def load_adapter(model: nn.Module, adapter_dir: str | Path) -> nn.Module:
 
 def load_adapter_into(peft_model: nn.Module, adapter_dir: str | Path) -> nn.Module:
     """Like :func:`load_adapter` for a model that already carries a LoRA of the same shape (the
-    policy built from a config): copy the saved LoRA weights and trainable norms into it."""
-    from peft import set_peft_model_state_dict
+    policy built from a config): copy the saved LoRA weights and trainable norms into it.
+
+    The saved ``adapter_config.json`` must match the model's LoRA (rank, alpha, target modules, and
+    rsLoRA / DoRA, which also change the update) and the file must hold exactly the model's LoRA
+    tensors: otherwise a ValueError in one line, before anything is copied. A different alpha or a
+    subset of the trained modules would otherwise load silently and give other logits."""
+    from peft import get_peft_model_state_dict, set_peft_model_state_dict
     from peft.utils import load_peft_weights
 
+    adapter_dir = Path(adapter_dir)
+    _check_adapter_config(peft_model, adapter_dir)
     device = str(next(peft_model.parameters()).device)
-    set_peft_model_state_dict(peft_model, load_peft_weights(str(adapter_dir), device=device))
+    saved = load_peft_weights(str(adapter_dir), device=device)
+    expected = set(get_peft_model_state_dict(peft_model))  # same naming as the file (no adapter name)
+    extra, missing = sorted(set(saved) - expected), sorted(expected - set(saved))
+    if extra:
+        raise ValueError(f"adapter {adapter_dir} has {len(extra)} LoRA tensors the model has no slot for "
+                         f"(e.g. {extra[0]}): set model.lora to match the adapter_config.json there")
+    if missing:
+        raise ValueError(f"adapter {adapter_dir} lacks {len(missing)} LoRA tensors of the model "
+                         f"(e.g. {missing[0]}): set model.lora to match the adapter_config.json there")
+    result = set_peft_model_state_dict(peft_model, saved)
+    if result.unexpected_keys:  # the key check above should make this unreachable
+        raise ValueError(f"adapter {adapter_dir}: the model has no slot for {len(result.unexpected_keys)} "
+                         f"tensors (e.g. {result.unexpected_keys[0]})")
     _load_trainable_norms(peft_model, adapter_dir)
     return peft_model
+
+
+# adapter_config.json key -> (model.lora setting it comes from, default when absent from the file)
+_LORA_CONFIG_KEYS = {"r": ("rank", None), "lora_alpha": ("alpha", None), "target_modules": ("target_modules", None),
+                     "use_rslora": ("use_rslora", False), "use_dora": ("use_dora", False)}
+
+
+def _target_modules(value):
+    """A list/set of module-name suffixes as a sorted list; a regex string as is."""
+    return value if value is None or isinstance(value, str) else sorted(value)
+
+
+def _check_adapter_config(peft_model: nn.Module, adapter_dir: Path) -> None:
+    """ValueError naming every LoRA setting where ``adapter_dir/adapter_config.json`` and the model differ."""
+    config_file = adapter_dir / "adapter_config.json"
+    if not config_file.is_file():
+        raise ValueError(f"adapter {adapter_dir}: no adapter_config.json there (a peft adapter directory)")
+    saved = json.loads(config_file.read_text())
+    if not _is_peft(peft_model) or "default" not in getattr(peft_model, "peft_config", {}):
+        raise ValueError(f"adapter {adapter_dir}: the model has no LoRA to load it into (set model.lora)")
+    config = peft_model.peft_config["default"]
+    trained, model = [], []
+    for key, (setting, default) in _LORA_CONFIG_KEYS.items():
+        want, have = saved.get(key, default), getattr(config, key, default)
+        if key == "target_modules":
+            want, have = _target_modules(want), _target_modules(have)
+        if want != have:
+            trained.append(f"lora.{setting}={want}")
+            model.append(f"{setting}={have}")
+    if trained:
+        raise ValueError(f"adapter {adapter_dir} was trained with {', '.join(trained)}; the model has "
+                         f"{', '.join(model)}: set model.lora to match")
 
 
 def _load_trainable_norms(peft_model: nn.Module, adapter_dir: str | Path) -> None:

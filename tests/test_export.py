@@ -21,6 +21,7 @@ from qerl.export import (
     export_nvfp4,
     hf_name,
     load_adapter,
+    load_adapter_into,
     main,
 )
 from qerl.model import (
@@ -50,8 +51,11 @@ def _trained_lora_policy(arch="tiny-qwen2", dtype="bf16"):
         for n, p in model.named_parameters():
             if "lora_B" in n:
                 p.copy_(torch.randn(p.shape, generator=gen) * 0.3)
-            elif p.requires_grad and "lora_" not in n:  # the trainable norms
-                p.add_(torch.randn(p.shape, generator=gen) * 0.1)
+            elif p.requires_grad and "lora_" not in n:  # the trainable norms (fp32 master weights)
+                moved = p + torch.randn(p.shape, generator=gen) * 0.1
+                # at values of the model dtype: the 16-bit exports and the engines hold the rounded
+                # scale, so the exact logit comparisons below need representable ones
+                p.copy_(moved.to(model.get_input_embeddings().weight.dtype))
     return model, tok
 
 
@@ -187,7 +191,7 @@ def test_other_tensors_16bit_hf_names_no_lora(nvfp4_export):
     if has_adapter:
         norms = load_file(out / ADAPTER_SUBDIR / TRAINABLE_NORMS_FILE)
         assert len(norms) == 2 * model.config.num_hidden_layers
-        assert all(torch.equal(v, sd[k]) for k, v in norms.items())
+        assert all(torch.equal(v.to(sd[k].dtype), sd[k]) for k, v in norms.items())  # fp32 masters, rounded
     assert (out / "generation_config.json").exists() and (out / "tokenizer_config.json").exists()
 
 
@@ -256,6 +260,62 @@ def test_adapter_export_reloads_with_peft(tmp_path):
         assert torch.equal(reloaded(ids).logits, want)
         with model.disable_adapter():  # the adapter and the norms both matter
             assert not torch.allclose(model(ids).logits, want)
+
+
+def test_adapter_loads_into_a_policy_built_with_the_same_lora(tmp_path):
+    """load_adapter_into (evaluation with model.adapter_path) reproduces the trained logits: LoRA + norms."""
+    model, _ = _trained_lora_policy(dtype="fp32")
+    export_adapter(model, tmp_path)
+    fresh, _ = load_policy("tiny-qwen2", "nvfp4", LoraSettings(rank=4, alpha=8, trainable_norms=True),
+                           dtype="fp32", seed=SEED)
+    ids = _ids(4)
+    with torch.no_grad():
+        assert not torch.allclose(fresh(ids).logits, model(ids).logits)
+        assert load_adapter_into(fresh, tmp_path) is fresh
+        assert torch.equal(fresh(ids).logits, model(ids).logits)
+
+
+@pytest.mark.parametrize("settings, problem", [
+    (LoraSettings(rank=4, alpha=16, trainable_norms=True), "trained with lora.alpha=8; the model has alpha=16"),
+    (LoraSettings(rank=8, alpha=8, trainable_norms=True), "trained with lora.rank=4; the model has rank=8"),
+    (LoraSettings(rank=4, alpha=8, target_modules=["q_proj", "v_proj"], trainable_norms=True),
+     "trained with lora.target_modules=['down_proj', 'gate_proj', 'k_proj', 'o_proj', 'q_proj', 'up_proj', "
+     "'v_proj']; the model has target_modules=['q_proj', 'v_proj']"),
+], ids=["alpha", "rank", "target_modules"])
+def test_adapter_with_other_lora_settings_is_refused(tmp_path, settings, problem):
+    """An adapter trained with another alpha, rank or set of target modules than the model's LoRA is a
+    ValueError naming the settings, not a silent load with wrong logits (the model stays untouched)."""
+    model, _ = _trained_lora_policy(dtype="fp32")
+    export_adapter(model, tmp_path)
+    other, _ = load_policy("tiny-qwen2", "nvfp4", settings, dtype="fp32", seed=SEED)
+    before = {k: v.clone() for k, v in other.state_dict().items() if "lora_" in k}
+    with pytest.raises(ValueError) as exc:
+        load_adapter_into(other, tmp_path)
+    msg = str(exc.value)
+    assert "\n" not in msg and str(tmp_path) in msg and problem in msg and "set model.lora to match" in msg, msg
+    assert all(torch.equal(v, other.state_dict()[k]) for k, v in before.items())
+
+
+@pytest.mark.parametrize("edit, problem", [("drop", "lacks 1 LoRA tensors of the model"),
+                                           ("add", "has 1 LoRA tensors the model has no slot for")])
+def test_adapter_tensors_must_match_the_model(tmp_path, edit, problem):
+    """With a matching adapter_config.json, a LoRA tensor missing from the file, or one the model has no
+    slot for, is a ValueError too (peft would keep the fresh init, or drop the tensor, silently)."""
+    from safetensors.torch import save_file
+
+    model, _ = _trained_lora_policy(dtype="fp32")
+    export_adapter(model, tmp_path)
+    weights = load_file(tmp_path / "adapter_model.safetensors")
+    name = next(k for k in weights if "layers.0.self_attn.q_proj.lora_B" in k)
+    if edit == "drop":
+        del weights[name]
+    else:
+        weights[name.replace("layers.0.", "layers.99.")] = weights[name].clone()
+    save_file(weights, str(tmp_path / "adapter_model.safetensors"))
+    fresh, _ = load_policy("tiny-qwen2", "nvfp4", LoraSettings(rank=4, alpha=8, trainable_norms=True),
+                           dtype="fp32", seed=SEED)
+    with pytest.raises(ValueError, match=problem):
+        load_adapter_into(fresh, tmp_path)
 
 
 def test_tied_embeddings_and_sharding(tmp_path):
