@@ -78,18 +78,22 @@ def test_quickstart_cli_logs_every_scalar_and_trains_only_lora(tmp_path, monkeyp
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_gpu_quickstart_cli(tmp_path, monkeypatch):
+@pytest.mark.parametrize("extra", [[], ["--model.lora.trainable_norms=true"]], ids=["lora", "lora+norms"])
+def test_gpu_quickstart_cli(tmp_path, monkeypatch, extra):
     """The quickstart on one GPU in bf16: NVFP4 kernels, the hf engine's CUDA graphs, packed GQA
-    attention and fused ops while generating, AQN noise on: every scalar finite, LoRA trained."""
+    attention and fused ops while generating, AQN noise on: every scalar finite, LoRA trained
+    (and with trainable norms: their fp32 master weights through the fused norm, bf16 activations)."""
     monkeypatch.chdir(tmp_path)
     cli = main(["fit", *fast_args(tmp_path, 3, ["--trainer.accelerator=gpu", "--trainer.devices=1",
-                                                 "--model.dtype=bf16"])])
+                                                 "--model.dtype=bf16", *extra])])
     values, _ = scalars(f"{tmp_path}/logs")
     for name in REQUIRED_SCALARS:
         assert name in values and all(math.isfinite(v) for v in values[name]), (name, values.get(name))
     assert max(values["aqn/sigma"]) > 0 and len(values["train/reward"]) == 3
     lora_b = [p for n, p in cli.model.model.named_parameters() if "lora_B" in n]
     assert lora_b and any(p.abs().max() > 0 for p in lora_b)
+    norms = [p for n, p in cli.model.model.named_parameters() if p.requires_grad and "layernorm" in n]
+    assert bool(norms) == bool(extra) and all(p.dtype == torch.float32 for p in norms)
 
 
 @pytest.mark.parametrize("dropout", [0.0, 0.2])

@@ -428,19 +428,22 @@ def test_evaluation_runs_in_the_rollout_vllm_engine(fake_vllm, tmp_path, monkeyp
 @pytest.mark.gpu
 @pytest.mark.skipif(importlib.util.find_spec("vllm") is None or not torch.cuda.is_available(), reason="needs vLLM and CUDA")
 def test_vllm_logprobs_match_the_trainer_gpu(tmp_path):
-    """Tiny NVFP4 Qwen2 (dims Marlin accepts) + random LoRA + AQN noise: vLLM's sampler log-probs vs
-    the trainer's forward on the same tokens, and greedy determinism (vllm.md §2, issue #50059)."""
+    """Tiny NVFP4 Qwen2 (dims Marlin accepts) + random LoRA + trained norms (fp32 master weights) +
+    AQN noise: vLLM's sampler log-probs vs the trainer's forward on the same tokens, and greedy
+    determinism (vllm.md §2, issue #50059)."""
     from qerl.model import add_lora, quantize_decoder_linears
     from qerl.tiny import build_tiny_tokenizer
 
     base = build_tiny_model("qwen2", hidden_size=256, intermediate_size=512, num_heads=2, num_kv_heads=1,
                             dtype=torch.bfloat16)
     quantize_decoder_linears(base, "cuda")
-    model, tok = add_lora(base, LoraSettings(rank=8)), build_tiny_tokenizer()
+    model, tok = add_lora(base, LoraSettings(rank=8, trainable_norms=True)), build_tiny_tokenizer()
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "lora_B" in name:
                 p.normal_(0, 0.05)
+            elif p.requires_grad and "layernorm" in name:  # moved as training moves them
+                p.add_(torch.randn_like(p) * 0.05)
     norms = attach_noisy_norms(model)
     norms.set_noise(1e-2, seed=0, step=0)
     settings = VLLMSettings(gpu_memory_utilization=0.2, max_model_len=256, export_dir=str(tmp_path),
