@@ -4,15 +4,11 @@
 import logging
 import os
 import sys
-from pathlib import Path
 
-import torch
 from lightning.pytorch.cli import LightningCLI
-from lightning.pytorch.utilities import rank_zero_warn
 
 from lightning_modules.data import PromptDataModule
 from lightning_modules.qerl_module import QeRLModule
-from lightning_modules.settings import hparam_differences
 
 
 class QeRLCLI(LightningCLI):
@@ -21,22 +17,11 @@ class QeRLCLI(LightningCLI):
     Lightning's CLI replaces every ``model.*`` value with the checkpoint's saved hyperparameters
     when ``--ckpt_path`` names a file (not for ``last``): a resume with a new lr or a validate with
     more samples would silently run the checkpoint's values. Here the config (YAML and command line)
-    wins for ``last`` and files alike, and each value that differs from the checkpoint's is warned
-    (``--config <log_dir>/config.yaml`` reruns with the checkpoint's own settings)."""
+    wins for ``last`` and files alike; ``QeRLModule.on_load_checkpoint`` warns each value that
+    differs from the checkpoint's (``--config <log_dir>/config.yaml`` reruns with the run's own)."""
 
     def _parse_ckpt_path(self) -> None:
-        subcommand = self.config.get("subcommand")
-        path = self.config[subcommand].get("ckpt_path") if subcommand else None
-        if not path or not Path(path).is_file():
-            return
-        try:
-            saved = torch.load(path, weights_only=True, map_location="cpu").get("hyper_parameters", {})
-        except Exception:  # noqa: BLE001 - not a readable checkpoint: the trainer's restore reports it
-            return
-        differences = hparam_differences(self.config[subcommand]["model"].as_dict(), saved or {})
-        if differences:
-            rank_zero_warn(f"{path} was trained with other model settings; the config's are used:\n  "
-                           + "\n  ".join(differences))
+        return None
 
 
 def main(args=None, run: bool = True) -> LightningCLI:

@@ -4,15 +4,19 @@
 rebuilt from ``model`` on resume, so a file is megabytes, not the model. With them: the global RNG
 (LoRA dropout draws from it) per rank, the silent-failure streaks and ``max_steps``. On resume the
 config is what runs: a changed lr, betas, weight decay or max_steps replaces the restored one
-(warned), and a checkpoint of another model or LoRA layout fails instead of loading nothing.
+(warned, like every other model setting that differs from the checkpoint's), and a checkpoint of
+another model or LoRA layout fails instead of loading nothing. A validation inside fit leaves the
+training RNG stream as it found it, so a resume from that step draws what the straight run draws.
 """
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 from lightning.pytorch.utilities import rank_zero_warn
 
-from lightning_modules.settings import apply_optimizer_settings
+from lightning_modules.settings import apply_optimizer_settings, hparam_differences
 from qerl.seeding import global_rng_state, set_global_rng_state
 
 
@@ -22,6 +26,7 @@ class ResumeMixin:
     _resume_rng: dict | None = None  # global RNG of a loaded checkpoint, restored at the next batch
     _checkpoint_max_steps: int | None = None  # a loaded checkpoint's trainer.max_steps
     checkpoint_step: int | None = None  # a loaded checkpoint's global_step (labels validate / test)
+    _rng_after_batch: dict | None = None  # the global RNG at the end of the last training batch
 
     def on_train_start(self) -> None:
         # after a resume restored the optimizer and scheduler: the config's lr, betas, weight decay
@@ -57,6 +62,10 @@ class ResumeMixin:
             raise ValueError(f"the checkpoint does not fit this model ({len(missing)} trainable tensors missing, e.g. "
                              f"{missing[:1]}; {len(unexpected)} unexpected, e.g. {unexpected[:1]}): model.model, "
                              "model.lora and its trainable_norms must be those of the run that wrote it")
+        differences = hparam_differences(_plain(dict(self.hparams)), checkpoint.get("hyper_parameters") or {})
+        if differences:  # `last` and a file alike (the CLI no longer swaps in the checkpoint's values)
+            rank_zero_warn("the checkpoint was trained with other model settings; the config's are used:\n  "
+                           + "\n  ".join(differences))
         self._streaks.update(checkpoint.get("qerl_streaks", {}))
         self._checkpoint_max_steps = checkpoint.get("qerl_max_steps")
         self.checkpoint_step = checkpoint.get("global_step")
@@ -65,6 +74,17 @@ class ResumeMixin:
             self._resume_rng = per_rank[self.global_rank]
         else:  # one process, or a different world size: one state for all
             self._resume_rng = checkpoint.get("qerl_rng")
+
+    def on_train_batch_end(self, outputs, batch, batch_idx: int) -> None:
+        # the global RNG as a checkpoint of this step holds it (ModelCheckpoint saved just before)
+        self._rng_after_batch = global_rng_state()
+
+    def on_validation_end(self) -> None:
+        # a validation inside fit must not move the training stream of random numbers (the val
+        # dataloader's seed, a sampling judge): a run resumed from this step's checkpoint, which
+        # does not repeat the validation, would draw other LoRA-dropout masks than the straight run
+        if self.trainer.state.fn == "fit" and not self.trainer.sanity_checking and self._rng_after_batch is not None:
+            set_global_rng_state(self._rng_after_batch)
 
     def _world_size(self) -> int:
         trainer = self._trainer
@@ -80,3 +100,13 @@ class ResumeMixin:
             set_global_rng_state(self._resume_rng)
             self._resume_rng = None
         return batch
+
+
+def _plain(value):
+    """Settings as a checkpoint's hyper_parameters hold them: dataclasses as dicts (the CLI passes
+    dicts already; a module built in Python holds the dataclass objects)."""
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return dataclasses.asdict(value)
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    return value

@@ -279,8 +279,14 @@ class QeRLModule(ResumeMixin, EvaluationMixin, L.LightningModule):
             if not finite or not torch.isfinite(grad_norm):
                 # A NaN/inf must never reach the weights: drop the whole update (partial grads too).
                 what = "loss" if not finite else "gradient norm"
-                rank_zero_warn(f"non-finite {what} at step {self.global_step}: skipping this update (no optimizer step)")
+                rank_zero_warn(f"non-finite {what} at step {self.global_step}: skipping this update (the step "
+                               "counts, the weights do not change)")
                 opt.zero_grad(set_to_none=True)
+                # the update's slot is spent: global_step and the LR schedule advance as if it had run,
+                # so a rollout batch stays K steps (checkpoint and log intervals, max_steps line up)
+                opt._on_before_step()  # Lightning's step counter, without optimizer.step()
+                opt._on_after_step()
+                sched.step()
                 self._streaks["skipped"] += 1
                 if self._streaks["skipped"] >= 10:  # else max_steps is never reached: fail loudly
                     raise RuntimeError(f"10 updates in a row had a non-finite {what}: check the rewards and the lr")

@@ -156,11 +156,14 @@ def test_nan_loss_skips_the_update_and_loses_nothing(tmp_path):
     module.configure_model()
     lora_before = {n: p.detach().clone() for n, p in module.model.named_parameters() if p.requires_grad}
     cb = RolloutCallback(reward=NaNOnce(), group_size=2, sampling=SamplingSettings(max_new_tokens=4))
-    trainer = L.Trainer(accelerator="cpu", max_steps=1, logger=False, enable_checkpointing=False,
+    trainer = L.Trainer(accelerator="cpu", max_steps=2, logger=False, enable_checkpointing=False,
                         enable_progress_bar=False, callbacks=[cb], default_root_dir=tmp_path)
     with pytest.warns(UserWarning, match="non-finite loss at step 0: skipping this update"):
         trainer.fit(module, PromptDataModule(prompts_per_step=2))
-    assert trainer.global_step == 1  # the NaN batch made no step; the next one did
+    # the NaN batch's update slot counts (global_step stays a multiple of updates_per_rollout per
+    # batch, or no checkpoint interval would be met again); the second batch made the real update
+    assert trainer.global_step == 2 and cb.reward.calls == 2
+    assert module.lr_schedulers().last_epoch == 2
     for n, p in module.model.named_parameters():
         if p.requires_grad:
             assert torch.isfinite(p).all(), n
