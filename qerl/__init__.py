@@ -4,10 +4,16 @@ The core (`qerl.*`) imports without Lightning; `lightning_modules/` and `callbac
 `python train.py fit --config configs/X.yaml`.
 """
 
+import logging
 import os
 
 # torchao's PyPI wheel is a CUDA build; its optional C++ extensions (sm_100 MXFP8, CUTLASS) fail to
 # load on CPU with noisy but harmless messages, and nothing in qerl's NVFP4 path needs them.
 os.environ.setdefault("TORCHAO_FORCE_SKIP_LOADING_SO_FILES", "1")
+
+# bitsandbytes (imported by peft) looks for Hugging Face's `kernels` package at import on AVX512-BF16
+# CPUs, meets this repository's kernels/ on the path and warns; the CPU gemv it wanted is one qerl
+# turns off anyway (qerl.model.quantize_decoder_linears_nf4 keeps bitsandbytes' autograd path).
+logging.getLogger("bitsandbytes.backends.cpu.ops").addFilter(lambda record: "kernels-community" not in record.getMessage())
 
 __version__ = "0.1.0"

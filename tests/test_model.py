@@ -208,3 +208,16 @@ def test_unknown_model_path_is_one_clear_error(tmp_path):
 def test_unknown_quantization_rejected():
     with pytest.raises(ValueError, match="unknown quantization"):
         load_policy("tiny-qwen2", "int3")
+
+
+def test_bitsandbytes_kernels_hub_warning_is_filtered():
+    """bitsandbytes' import-time search for Hugging Face's `kernels` meets this repository's kernels/
+    and warns on every run; the path it wanted is off in qerl, so the line is dropped (others pass)."""
+    import logging
+
+    import qerl  # noqa: F401  (installs the filter)
+
+    bnb = logging.getLogger("bitsandbytes.backends.cpu.ops")
+    make = lambda msg: logging.LogRecord(bnb.name, logging.WARNING, __file__, 1, msg, None, None)  # noqa: E731
+    assert not bnb.filter(make("Failed to load CPU gemm_4bit_forward from kernels-community: cannot import"))
+    assert bnb.filter(make("some other bitsandbytes warning"))
