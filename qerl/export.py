@@ -374,6 +374,12 @@ def _check_adapter_config(peft_model: nn.Module, adapter_dir: Path) -> None:
         if want != have:
             trained.append(f"lora.{setting}={want}")
             model.append(f"{setting}={have}")
+    # trained norms need the model's fp32 masters and base values (qerl.model.add_lora): refuse them
+    # in a policy without, and a norm-less adapter in one whose norms would then train from scratch
+    want, have = (adapter_dir / TRAINABLE_NORMS_FILE).exists(), bool(getattr(peft_model, "qerl_base_norms", None))
+    if want != have:
+        trained.append(f"lora.trainable_norms={want}")
+        model.append(f"trainable_norms={have}")
     if trained:
         raise ValueError(f"adapter {adapter_dir} was trained with {', '.join(trained)}; the model has "
                          f"{', '.join(model)}: set model.lora to match")

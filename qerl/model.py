@@ -19,6 +19,7 @@ import contextlib
 import logging
 import math
 import os
+import struct
 import warnings
 from dataclasses import dataclass, field
 from typing import Literal
@@ -49,11 +50,16 @@ def _parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
     return table[dtype]
 
 
+# What a bad model path, a corrupt or truncated .gguf or an unreadable folder raises inside
+# transformers (struct.error: a GGUF header cut short); reported as one line by _load_error.
+_LOAD_ERRORS = (OSError, ValueError, RuntimeError, KeyError, struct.error)
+
+
 def _load_error(name_or_path: str, err: Exception) -> ValueError:
-    first_line = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+    cause = " ".join(str(err).split())[:300] or type(err).__name__  # one line, the whole cause
     return ValueError(
         f"cannot load model {name_or_path!r}: not a tiny model name ({', '.join(TINY_MODEL_NAMES)}), "
-        f"a local model directory, a .gguf file, or a reachable Hugging Face id ({first_line})"
+        f"a local model directory, a .gguf file, or a reachable Hugging Face id ({cause})"
     )
 
 
@@ -74,8 +80,10 @@ def load_tokenizer(name_or_path: str) -> PreTrainedTokenizerBase:
     source, extra = _split_gguf(name_or_path)
     try:
         tokenizer = AutoTokenizer.from_pretrained(source, **extra)
-    except (OSError, ValueError) as err:
+    except _LOAD_ERRORS as err:
         raise _load_error(name_or_path, err) from err
+    if len(tokenizer) <= 1:  # transformers 5 makes an empty tokenizer of a folder without tokenizer files
+        raise _load_error(name_or_path, ValueError("its tokenizer has no vocabulary (no tokenizer files there?)"))
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
     tokenizer.padding_side = "left"
@@ -94,7 +102,7 @@ def load_base_model(
     source, extra = _split_gguf(name_or_path)
     try:
         model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, **extra)
-    except (OSError, ValueError) as err:
+    except _LOAD_ERRORS as err:
         raise _load_error(name_or_path, err) from err
     # transformers' GGUF loader keeps a quantization_config that blocks save_pretrained (DESIGN.md).
     return model.eval(), tokenizer
@@ -107,6 +115,18 @@ def decoder_layers(model: nn.Module) -> nn.ModuleList:
     if layers is None:
         raise ValueError(f"{type(model).__name__} has no `.model.layers`; only decoder-only HF LMs are supported")
     return layers
+
+
+def check_decoder_linears(model: nn.Module) -> None:
+    """Every decoder layer must hold all of ``DECODER_LINEARS`` as ``nn.Linear``: a model with fused
+    projections (Phi-3's ``qkv_proj`` / ``gate_up_proj``) would be quantized and adapted only in
+    part, silently (the 4-bit arms then hold 16-bit attention and LoRA on two modules a layer)."""
+    for i, layer in enumerate(decoder_layers(model)):
+        have = {name.rsplit(".", 1)[-1] for name, mod in layer.named_modules() if isinstance(mod, nn.Linear)}
+        missing = [name for name in DECODER_LINEARS if name not in have]
+        if missing:
+            raise ValueError(f"{type(model).__name__} layer {i} has no {', '.join(missing)} linear(s): qerl "
+                             f"supports decoders with separate {', '.join(DECODER_LINEARS)} (Qwen2/Qwen3/Llama-style)")
 
 
 @torch.no_grad()
@@ -141,7 +161,7 @@ def quantize_decoder_linears_nf4(model: nn.Module, device: str | torch.device = 
     try:
         import bitsandbytes as bnb
     except ImportError as err:
-        raise ImportError("quantization: nf4 needs bitsandbytes (pip install 'qerl[qlora]')") from err
+        raise ModuleNotFoundError("quantization: nf4 needs bitsandbytes (pip install 'qerl[qlora]')") from err
     count = 0
     for layer in decoder_layers(model):
         for name, mod in list(layer.named_modules()):
@@ -310,6 +330,7 @@ def load_policy(
 ) -> tuple[nn.Module, PreTrainedTokenizerBase]:
     """Everything in one call: load, quantize (``nvfp4``) or keep 16-bit (``bf16``), add LoRA."""
     model, tokenizer = load_base_model(name_or_path, dtype=dtype, seed=seed)
+    check_decoder_linears(model)
     if quantization == "nvfp4":
         n = quantize_decoder_linears(model, device)
         log.info("quantized %d decoder linears to NVFP4", n)

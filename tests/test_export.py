@@ -477,3 +477,17 @@ def test_cli_rejects_foreign_checkpoint_in_one_line(tmp_path, capsys, content, p
     assert "Traceback" not in err
     last = err.strip().splitlines()[-1]
     assert "error: cannot read the adapter" in last and str(ckpt) in last and problem in last, last
+
+
+@pytest.mark.parametrize("saved_norms", [True, False])
+def test_adapter_with_other_trainable_norms_is_refused(tmp_path, saved_norms):
+    """Trained norms loaded into a policy without fp32 masters and base values (or a norm-less
+    adapter into one that trains norms) would train in bf16 and give a wrong base-model row."""
+    trained, _ = load_policy("tiny-qwen2", "nvfp4", LoraSettings(rank=4, alpha=8, trainable_norms=saved_norms),
+                             dtype="bf16", seed=SEED)
+    export_adapter(trained, tmp_path / "adapter")
+    target, _ = load_policy("tiny-qwen2", "nvfp4", LoraSettings(rank=4, alpha=8, trainable_norms=not saved_norms),
+                            dtype="bf16", seed=SEED)
+    with pytest.raises(ValueError, match=f"lora.trainable_norms={saved_norms}; the model has trainable_norms={not saved_norms}"):
+        load_adapter_into(target, tmp_path / "adapter")
+

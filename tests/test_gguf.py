@@ -177,3 +177,14 @@ def test_gguf_load_policy_nvfp4_lora(qwen2_gguf):
     out.loss.backward()
     with_grad = {n for n, p in policy.named_parameters() if p.grad is not None}
     assert with_grad and all("lora_" in n for n in with_grad)
+
+
+@pytest.mark.parametrize("keep", [4000, 0.5])
+def test_truncated_gguf_is_one_clear_error(qwen2_gguf, tmp_path, keep):
+    """A download cut short: in the header (struct.error inside the reader) or in the tensors."""
+    path, _ = qwen2_gguf
+    data = path.read_bytes()
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(data[: keep if isinstance(keep, int) else int(len(data) * keep)])
+    with pytest.raises(ValueError, match="cannot load model"):
+        load_policy(str(cut), "nvfp4", None)

@@ -221,3 +221,33 @@ def test_bitsandbytes_kernels_hub_warning_is_filtered():
     make = lambda msg: logging.LogRecord(bnb.name, logging.WARNING, __file__, 1, msg, None, None)  # noqa: E731
     assert not bnb.filter(make("Failed to load CPU gemm_4bit_forward from kernels-community: cannot import"))
     assert bnb.filter(make("some other bitsandbytes warning"))
+
+
+def test_models_qerl_cannot_quantize_whole_and_folders_without_a_tokenizer_fail_clearly(tmp_path):
+    """A decoder with fused projections (Phi-3's qkv_proj / gate_up_proj) would be quantized and
+    adapted in part, silently; a folder written by save_pretrained without tokenizer files gave an
+    empty tokenizer and a reshape error deep in the first forward."""
+    from transformers import Phi3Config, Phi3ForCausalLM
+
+    from qerl.model import check_decoder_linears, load_tokenizer
+
+    phi3 = Phi3ForCausalLM(Phi3Config(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=4, pad_token_id=0))
+    with pytest.raises(ValueError, match="layer 0 has no q_proj, k_proj, v_proj, gate_proj, up_proj"):
+        check_decoder_linears(phi3)
+    phi3.save_pretrained(tmp_path / "phi3")  # config + weights, no tokenizer files
+    with pytest.raises(ValueError, match="cannot load model"):
+        load_tokenizer(str(tmp_path / "phi3"))
+    with pytest.raises(ValueError, match="cannot load model"):
+        load_policy(str(tmp_path / "phi3"), "nvfp4", None)
+
+
+def test_nf4_without_bitsandbytes_is_a_module_not_found_error(monkeypatch):
+    """train.py prints ModuleNotFoundError as one line (a plain ImportError was a traceback)."""
+    import sys
+
+    from qerl.model import quantize_decoder_linears_nf4
+
+    monkeypatch.setitem(sys.modules, "bitsandbytes", None)
+    with pytest.raises(ModuleNotFoundError, match="nf4 needs bitsandbytes"):
+        quantize_decoder_linears_nf4(torch.nn.Module())
