@@ -120,7 +120,7 @@ class QeRLModule(ResumeMixin, EvaluationMixin, L.LightningModule):
         self._tokenizer = self._tokenizer or tokenizer
         self.model.train()  # loaders return eval mode; LoRA dropout must be live in training
         if self.adapter_path:
-            from qerl.export import load_adapter_into  # LoRA + trainable norms, as on_train_end wrote them
+            from qerl.adapter import load_adapter_into  # LoRA + trainable norms, as on_train_end wrote them
 
             load_adapter_into(self.model, self.adapter_path)
         if self.gradient_checkpointing:
@@ -375,6 +375,6 @@ class QeRLModule(ResumeMixin, EvaluationMixin, L.LightningModule):
         """Write the adapter in peft format next to the logs (what users serve or evaluate)."""
         log_dir = self.trainer.log_dir  # a collective under DDP: every rank asks, rank 0 writes
         if self.trainer.is_global_zero and log_dir:
-            from qerl.export import export_adapter  # LoRA + trainable norms, peft format
+            from qerl.adapter import export_adapter  # LoRA + trainable norms, peft format
 
             export_adapter(self.model, f"{log_dir}/adapter")

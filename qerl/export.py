@@ -32,10 +32,14 @@ from pathlib import Path
 
 import torch
 import torch.nn as nn
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 from transformers import PreTrainedTokenizerBase
 
-from qerl.model import SHARED_SCALE_GROUPS, LoraSettings, _parse_dtype, load_policy, lora_config
+from qerl.adapter import (  # noqa: F401  (the adapter half of the export, re-exported here)
+    TRAINABLE_NORMS_FILE, _hf_model, _is_adapter, _is_peft, adapter_from_checkpoint, export_adapter, hf_name,
+    load_adapter, load_adapter_into,
+)
+from qerl.model import SHARED_SCALE_GROUPS, _parse_dtype, load_policy
 from qerl.nvfp4 import BLOCK_SIZE, NVFP4WeightTensor
 
 log = logging.getLogger(__name__)
@@ -44,9 +48,7 @@ log = logging.getLogger(__name__)
 CT_FORMAT_VERSION = "0.17.0"
 NVFP4_FORMAT = "nvfp4-pack-quantized"
 ADAPTER_SUBDIR = "adapter"
-TRAINABLE_NORMS_FILE = "trainable_norms.safetensors"
 MAX_SHARD_BYTES = 5 * 2**30
-_PEFT_PREFIX = "base_model.model."
 
 # (bytes on disk, function producing the CPU tensor): tensors are materialized one shard at a time.
 Entry = tuple[int, Callable[[], torch.Tensor]]
@@ -68,27 +70,6 @@ def nvfp4a16_quantization_config(ignore: list[str] | None = None) -> dict:
         "quant_method": "compressed-tensors", "quantization_status": "compressed",
         "sparsity_config": {}, "transform_config": {}, "version": CT_FORMAT_VERSION,
     }
-
-
-def _is_peft(model: nn.Module) -> bool:
-    return hasattr(model, "peft_config") and hasattr(model, "get_base_model")
-
-
-def _hf_model(model: nn.Module) -> nn.Module:
-    """The transformers model inside a peft wrapper (or the model itself)."""
-    return model.get_base_model() if _is_peft(model) else model
-
-
-def hf_name(name: str) -> str:
-    """A parameter/module name with peft's wrapping removed: ``base_model.model.`` prefix,
-    ``.base_layer`` and ``.original_module`` (peft keeps the untouched weights there)."""
-    name = name[len(_PEFT_PREFIX):] if name.startswith(_PEFT_PREFIX) else name
-    return ".".join(p for p in name.split(".") if p not in ("base_layer", "original_module"))
-
-
-def _is_adapter(name: str) -> bool:
-    parts = name.split(".")
-    return any(p.startswith("lora_") for p in parts) or "modules_to_save" in parts
 
 
 def base_tensors(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
@@ -239,163 +220,6 @@ def export_bf16(model: nn.Module, tokenizer: PreTrainedTokenizerBase | None, out
     _write_rest(model, tokenizer, out, dtype, None)
     log.info("exported %d dense tensors (%s) to %s", len(entries), dtype, out)
     return out
-
-
-def export_adapter(peft_model: nn.Module, out_dir: str | Path) -> Path:
-    """peft ``save_pretrained`` of the adapter (``adapter_model.safetensors`` +
-    ``adapter_config.json``); trainable non-LoRA parameters (the RMSNorm scales of
-    ``trainable_norms``) go to ``trainable_norms.safetensors`` under their HF names."""
-    if not _is_peft(peft_model):
-        raise ValueError("export_adapter needs a peft model")
-    out = Path(out_dir)
-    peft_model.save_pretrained(out)
-    norms = {hf_name(n): p.detach().cpu().contiguous() for n, p in peft_model.named_parameters()
-             if p.requires_grad and not _is_adapter(n)}
-    _write_trainable_norms(out, norms)
-    return out
-
-
-def _write_trainable_norms(out: Path, norms: dict[str, torch.Tensor]) -> None:
-    """``trainable_norms.safetensors`` beside an adapter, or none (an earlier run's file removed)."""
-    (out / TRAINABLE_NORMS_FILE).unlink(missing_ok=True)
-    if norms:
-        save_file(norms, str(out / TRAINABLE_NORMS_FILE), metadata={"format": "pt"})
-
-
-def _load_checkpoint(ckpt_path: str | Path) -> dict:
-    """A training checkpoint's dict, checked to have dict ``state_dict`` and ``hyper_parameters``:
-    an empty file or another pickle is a ValueError naming the file, not a traceback further on."""
-    try:
-        ckpt = torch.load(str(ckpt_path), map_location="cpu", weights_only=False)  # Lightning's own pickle
-    except EOFError as err:  # pickle's bare "Ran out of input"
-        raise ValueError(f"{ckpt_path}: empty or truncated file") from err
-    if not isinstance(ckpt, dict):
-        raise ValueError(f"{ckpt_path}: holds a {type(ckpt).__name__}, not a checkpoint dict")
-    for key in ("state_dict", "hyper_parameters"):
-        if key not in ckpt:  # without hyper-parameters the LoRA rank/alpha would be guessed
-            raise ValueError(f"{ckpt_path}: no {key!r} (not a qerl training checkpoint?)")
-        if not isinstance(ckpt[key] or {}, dict):
-            raise ValueError(f"{ckpt_path}: its {key!r} is a {type(ckpt[key]).__name__}, not a dict")
-    return ckpt
-
-
-def adapter_from_checkpoint(ckpt_path: str | Path, out_dir: str | Path) -> Path:
-    """The adapter of a training checkpoint (``.ckpt``: the trainable tensors and the module's
-    hyper-parameters), written as :func:`export_adapter` writes it at the end of a run, without loading
-    the base model: to serve or evaluate any step of a run, also one that did not finish."""
-    ckpt = _load_checkpoint(ckpt_path)
-    hp, state = ckpt["hyper_parameters"] or {}, ckpt["state_dict"] or {}
-    lora = hp.get("lora") or {}
-    settings = lora if isinstance(lora, LoraSettings) else LoraSettings(**lora)
-    adapter, norms = {}, {}
-    for key, tensor in state.items():
-        if not isinstance(tensor, torch.Tensor):
-            raise ValueError(f"{ckpt_path}: state_dict[{key!r}] is not a tensor ({type(tensor).__name__})")
-        name = key[len("model."):] if key.startswith("model.") else key  # QeRLModule.model
-        if _is_adapter(name):  # peft's own naming on save: the adapter name ("default") dropped
-            adapter[name.replace(".default", "")] = tensor.contiguous()
-        else:
-            norms[hf_name(name)] = tensor.contiguous()
-    if not adapter:
-        raise ValueError(f"{ckpt_path}: no LoRA tensors in its state_dict (not a qerl training checkpoint?)")
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    lora_config(settings, hp.get("model")).save_pretrained(str(out))
-    save_file(adapter, str(out / "adapter_model.safetensors"), metadata={"format": "pt"})
-    _write_trainable_norms(out, norms)
-    return out
-
-
-def load_adapter(model: nn.Module, adapter_dir: str | Path) -> nn.Module:
-    """Inverse of :func:`export_adapter`: wrap ``model`` with the saved adapter and load the
-    trainable norms (marked trainable again, so a re-export writes them too)."""
-    from peft import PeftModel
-
-    peft_model = PeftModel.from_pretrained(model, str(adapter_dir))
-    _load_trainable_norms(peft_model, adapter_dir)
-    return peft_model
-
-
-def load_adapter_into(peft_model: nn.Module, adapter_dir: str | Path) -> nn.Module:
-    """Like :func:`load_adapter` for a model that already carries a LoRA of the same shape (the
-    policy built from a config): copy the saved LoRA weights and trainable norms into it.
-
-    The saved ``adapter_config.json`` must match the model's LoRA (rank, alpha, target modules, and
-    rsLoRA / DoRA, which also change the update) and the file must hold exactly the model's LoRA
-    tensors: otherwise a ValueError in one line, before anything is copied. A different alpha or a
-    subset of the trained modules would otherwise load silently and give other logits."""
-    from peft import get_peft_model_state_dict, set_peft_model_state_dict
-    from peft.utils import load_peft_weights
-
-    adapter_dir = Path(adapter_dir)
-    _check_adapter_config(peft_model, adapter_dir)
-    device = str(next(peft_model.parameters()).device)
-    saved = load_peft_weights(str(adapter_dir), device=device)
-    expected = set(get_peft_model_state_dict(peft_model))  # same naming as the file (no adapter name)
-    extra, missing = sorted(set(saved) - expected), sorted(expected - set(saved))
-    if extra:
-        raise ValueError(f"adapter {adapter_dir} has {len(extra)} LoRA tensors the model has no slot for "
-                         f"(e.g. {extra[0]}): set model.lora to match the adapter_config.json there")
-    if missing:
-        raise ValueError(f"adapter {adapter_dir} lacks {len(missing)} LoRA tensors of the model "
-                         f"(e.g. {missing[0]}): set model.lora to match the adapter_config.json there")
-    result = set_peft_model_state_dict(peft_model, saved)
-    if result.unexpected_keys:  # the key check above should make this unreachable
-        raise ValueError(f"adapter {adapter_dir}: the model has no slot for {len(result.unexpected_keys)} "
-                         f"tensors (e.g. {result.unexpected_keys[0]})")
-    _load_trainable_norms(peft_model, adapter_dir)
-    return peft_model
-
-
-# adapter_config.json key -> (model.lora setting it comes from, default when absent from the file)
-_LORA_CONFIG_KEYS = {"r": ("rank", None), "lora_alpha": ("alpha", None), "target_modules": ("target_modules", None),
-                     "use_rslora": ("use_rslora", False), "use_dora": ("use_dora", False)}
-
-
-def _target_modules(value):
-    """A list/set of module-name suffixes as a sorted list; a regex string as is."""
-    return value if value is None or isinstance(value, str) else sorted(value)
-
-
-def _check_adapter_config(peft_model: nn.Module, adapter_dir: Path) -> None:
-    """ValueError naming every LoRA setting where ``adapter_dir/adapter_config.json`` and the model differ."""
-    config_file = adapter_dir / "adapter_config.json"
-    if not config_file.is_file():
-        raise ValueError(f"adapter {adapter_dir}: no adapter_config.json there (a peft adapter directory)")
-    saved = json.loads(config_file.read_text())
-    if not _is_peft(peft_model) or "default" not in getattr(peft_model, "peft_config", {}):
-        raise ValueError(f"adapter {adapter_dir}: the model has no LoRA to load it into (set model.lora)")
-    config = peft_model.peft_config["default"]
-    trained, model = [], []
-    for key, (setting, default) in _LORA_CONFIG_KEYS.items():
-        want, have = saved.get(key, default), getattr(config, key, default)
-        if key == "target_modules":
-            want, have = _target_modules(want), _target_modules(have)
-        if want != have:
-            trained.append(f"lora.{setting}={want}")
-            model.append(f"{setting}={have}")
-    # trained norms need the model's fp32 masters and base values (qerl.model.add_lora): refuse them
-    # in a policy without, and a norm-less adapter in one whose norms would then train from scratch
-    want, have = (adapter_dir / TRAINABLE_NORMS_FILE).exists(), bool(getattr(peft_model, "qerl_base_norms", None))
-    if want != have:
-        trained.append(f"lora.trainable_norms={want}")
-        model.append(f"trainable_norms={have}")
-    if trained:
-        raise ValueError(f"adapter {adapter_dir} was trained with {', '.join(trained)}; the model has "
-                         f"{', '.join(model)}: set model.lora to match")
-
-
-def _load_trainable_norms(peft_model: nn.Module, adapter_dir: str | Path) -> None:
-    norms_file = Path(adapter_dir) / TRAINABLE_NORMS_FILE
-    if not norms_file.exists():
-        return
-    norms = load_file(str(norms_file))
-    base = peft_model.get_base_model()
-    unexpected = base.load_state_dict(norms, strict=False).unexpected_keys
-    if unexpected:
-        raise ValueError(f"{norms_file} has tensors the model lacks: {unexpected[:5]}")
-    for name in norms:
-        base.get_parameter(name).requires_grad_(True)
 
 
 _CLI_EPILOG = """\
