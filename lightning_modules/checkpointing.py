@@ -62,7 +62,7 @@ class ResumeMixin:
             raise ValueError(f"the checkpoint does not fit this model ({len(missing)} trainable tensors missing, e.g. "
                              f"{missing[:1]}; {len(unexpected)} unexpected, e.g. {unexpected[:1]}): model.model, "
                              "model.lora and its trainable_norms must be those of the run that wrote it")
-        differences = hparam_differences(_plain(dict(self.hparams)), checkpoint.get("hyper_parameters") or {})
+        differences = hparam_differences(_plain(dict(self.hparams)), _plain(dict(checkpoint.get("hyper_parameters") or {})))
         if differences:  # `last` and a file alike (the CLI no longer swaps in the checkpoint's values)
             rank_zero_warn("the checkpoint was trained with other model settings; the config's are used:\n  "
                            + "\n  ".join(differences))

@@ -93,3 +93,14 @@ def test_hparam_differences_compares_nested_settings():
     config = {"model": "a", "lora": {"rank": 8, "alpha": 16}, "optimizer": {"betas": (0.9, 0.99)}, "new": 1}
     saved = {"model": "a", "lora": {"rank": 4, "alpha": 16}, "optimizer": {"betas": [0.9, 0.99]}, "_instantiator": "x"}
     assert hparam_differences(config, saved) == ["model.lora.rank: 8 (config) vs 4 (checkpoint)"]
+
+
+def test_settings_objects_compare_as_the_dicts_the_cli_saves():
+    """A module built in Python holds dataclass settings (saved pickled as such); the CLI's hold dicts."""
+    from lightning_modules.checkpointing import _plain
+    from qerl.model import LoraSettings
+
+    built = {"lora": LoraSettings(rank=4)}
+    assert hparam_differences(_plain(built), _plain({"lora": LoraSettings(rank=4)})) == []
+    assert hparam_differences(_plain(built), {"lora": {**vars(LoraSettings(rank=4))}}) == []
+    assert hparam_differences(_plain(built), _plain({"lora": LoraSettings(rank=8)})) == ["model.lora.rank: 4 (config) vs 8 (checkpoint)"]
