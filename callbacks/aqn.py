@@ -97,8 +97,7 @@ class AQNCallback(L.Callback):
         so all ranks draw the same noise, and rank 0's checkpointed state is every rank's."""
         rollout = batch.get("rollout") if isinstance(batch, dict) else None
         if rollout is not None:  # every sampled group's reward: dynamic sampling's kept ones stay near 0.5
-            sampled = getattr(rollout, "sampled_reward", None)
-            reward = rollout.rewards.float().mean() if sampled is None else torch.tensor(sampled)
+            reward = torch.tensor(rollout.mean_sampled_reward())
             if getattr(trainer, "world_size", 1) > 1:
                 reward = trainer.strategy.reduce(reward.to(pl_module.device), reduce_op="mean")
             self.monitor.rewards.append(float(reward))

@@ -14,6 +14,8 @@ from __future__ import annotations
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 
+from callbacks.summary import adopt_subclass
+
 
 class StepCheckpoint(ModelCheckpoint):
     """``ModelCheckpoint`` whose ``{step}`` (file names, ``monitor: step``) is ``trainer.global_step``."""
@@ -25,10 +27,5 @@ class StepCheckpoint(ModelCheckpoint):
 
 
 def use_step_checkpoints(callbacks: list) -> None:
-    """Make every plain ``ModelCheckpoint`` in ``callbacks`` a ``StepCheckpoint``, in place. The
-    subclass adds no state, so swapping the class keeps every argument the YAML gave (rebuilding
-    the callback would have to copy them, and returning it from ``configure_callbacks`` makes
-    Lightning print an "override" line on every run)."""
-    for cb in callbacks:
-        if type(cb) is ModelCheckpoint:
-            cb.__class__ = StepCheckpoint
+    """Every plain ``ModelCheckpoint`` in ``callbacks`` becomes a ``StepCheckpoint``, in place."""
+    adopt_subclass(callbacks, ModelCheckpoint, StepCheckpoint)

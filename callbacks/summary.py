@@ -60,10 +60,17 @@ class StepProgressBar(RichProgressBar):
         return super()._get_train_description(current_epoch)
 
 
-def replace_default_progress_bar(callbacks: list) -> None:
-    """Make Lightning's own rich progress bar in ``callbacks`` a ``StepProgressBar``, in place (the
-    subclass adds no state, so every argument it was built with stays; a custom bar stays as it is)."""
+def adopt_subclass(callbacks: list, lightning_class: type, subclass: type) -> None:
+    """Make every callback in ``callbacks`` that is exactly ``lightning_class`` a ``subclass``, in
+    place. For subclasses that add no state: every argument the YAML gave stays (rebuilding would
+    have to copy them, and returning new ones from ``configure_callbacks`` makes Lightning print an
+    "override" line on every run); a user's own subclass stays as it is."""
     for cb in callbacks:
-        if type(cb) is RichProgressBar:
-            cb.__class__ = StepProgressBar
+        if type(cb) is lightning_class:
+            cb.__class__ = subclass
+
+
+def replace_default_progress_bar(callbacks: list) -> None:
+    """Lightning's own rich progress bar in ``callbacks`` becomes a ``StepProgressBar``."""
+    adopt_subclass(callbacks, RichProgressBar, StepProgressBar)
 

@@ -42,7 +42,7 @@ class ResumeMixin:
         drawn different amounts; every rank runs this hook, so the gather pairs up). And the
         silent-failure streaks (decided over all ranks, so one copy fits every rank): a run resumed
         in the middle of a failure still warns after ``warn_after_steps`` steps in all."""
-        trainable = {n for n, p in self.named_parameters() if p.requires_grad}
+        trainable = self._trainable_names()
         checkpoint["state_dict"] = {k: v for k, v in checkpoint["state_dict"].items() if k in trainable}
         checkpoint["qerl_rng"] = global_rng_state()
         checkpoint["qerl_streaks"] = dict(self._streaks)
@@ -55,7 +55,7 @@ class ResumeMixin:
     def on_load_checkpoint(self, checkpoint: dict) -> None:
         # strict_loading is off (the frozen base is not in the file): check the trainable tensors by
         # hand, or a checkpoint of another model or LoRA layout would load nothing and run the base
-        trainable = {n for n, p in self.named_parameters() if p.requires_grad}
+        trainable = self._trainable_names()
         saved = set(checkpoint.get("state_dict", {}))
         if self.model is not None and saved != trainable:
             missing, unexpected = sorted(trainable - saved), sorted(saved - trainable)
@@ -85,6 +85,10 @@ class ResumeMixin:
         # does not repeat the validation, would draw other LoRA-dropout masks than the straight run
         if self.trainer.state.fn == "fit" and not self.trainer.sanity_checking and self._rng_after_batch is not None:
             set_global_rng_state(self._rng_after_batch)
+
+    def _trainable_names(self) -> set[str]:
+        """State-dict keys of the tensors a checkpoint holds: LoRA and any trainable norms."""
+        return {n for n, p in self.named_parameters() if p.requires_grad}
 
     def _world_size(self) -> int:
         trainer = self._trainer

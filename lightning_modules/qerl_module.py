@@ -308,7 +308,7 @@ class QeRLModule(ResumeMixin, EvaluationMixin, L.LightningModule):
         metrics = {
             "train/reward": rewards.mean(),
             # every sampled group's (DAPO's dynamic sampling trains on the mixed ones only)
-            "train/reward_sampled": rewards.mean() if rollout.sampled_reward is None else rollout.sampled_reward,
+            "train/reward_sampled": rollout.mean_sampled_reward(),
             "train/reward_std": group_std.mean(),
             "train/frac_reward_zero_std": (group_std < 1e-6).float().mean(),
             "train/entropy": entropy,

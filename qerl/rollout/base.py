@@ -141,6 +141,10 @@ class Rollout:
     # what the policy earns (the kept groups' mean stays near 0.5 while accuracy climbs); None: = rewards
     sampled_reward: float | None = None
 
+    def mean_sampled_reward(self) -> float:
+        """``sampled_reward``, or the mean of ``rewards`` when nothing was filtered out."""
+        return float(self.rewards.float().mean()) if self.sampled_reward is None else self.sampled_reward
+
     def to(self, device: torch.device | str) -> "Rollout":
         for name in ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask", "sampler_logprobs", "rewards", "truncated"):
             setattr(self, name, getattr(self, name).to(device))
