@@ -196,7 +196,8 @@ class RolloutCallback(L.Callback):
             more, more_dropped = self._sample_groups(*extra, pl_module, step, round_, timings)
             kept += more
             dropped += more_dropped
-        sampled_reward = float(torch.cat([g["rewards"] for g in kept + dropped]).mean())  # before the filter
+        # every generated group's task reward: before the filter and without the overlong shaping
+        sampled_reward = float(torch.cat([g["task_rewards"] for g in kept + dropped]).mean())
         if self.dynamic_sampling:
             if not kept:  # no task signal anywhere: train on the original batch (advantages 0, or only
                 # the overlong penalty's length signal when shaping is on)
@@ -241,7 +242,7 @@ class RolloutCallback(L.Callback):
             rows = slice(b * G, (b + 1) * G)
             group = dict(prompt_ids=prompt_ids[b], prompt=prompts[b], answer=answers[b],
                          completion_ids=gen.completion_ids[rows], logprobs=gen.sampler_logprobs[rows],
-                         texts=texts[rows], rewards=rewards[rows], truncated=truncated[rows],
+                         texts=texts[rows], rewards=rewards[rows], task_rewards=task_rewards[rows], truncated=truncated[rows],
                          components={k: v[rows] for k, v in components.items()})
             (kept if bool(signal[b]) else dropped).append(group)
         return kept, dropped

@@ -98,6 +98,7 @@ def test_overlong_shaping_adds_penalty_component():
     r = batch["rollout"]
     assert r.reward_components["overlong"].tolist() == [-0.25, -1.0]  # 1 of 4 and 4 of 4 tokens
     assert r.rewards.tolist() == [0.75, 0.0]  # both start with "a": 1 + penalty
+    assert r.sampled_reward == 1.0  # the accuracy curve (and the AQN monitor) leaves the length shaping out
 
 
 def test_aqn_callback_sets_sigma_before_rollout_and_engine_gets_noisy_scales():

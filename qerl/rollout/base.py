@@ -137,8 +137,9 @@ class Rollout:
     answers: list[str] = field(default_factory=list)
     timings: dict[str, float] = field(default_factory=dict)
     num_groups_dropped: int = 0  # DAPO dynamic sampling: zero-signal groups left out (0 when all were: they train)
-    # mean reward of every group generated this step, before dynamic sampling kept the mixed ones:
-    # what the policy earns (the kept groups' mean stays near 0.5 while accuracy climbs); None: = rewards
+    # mean task reward (the reward functions' sum, without DAPO's overlong shaping) of every group
+    # generated this step, before dynamic sampling kept the mixed ones: what the policy earns (the
+    # kept groups' mean stays near 0.5 while accuracy climbs); None: the mean of ``rewards``
     sampled_reward: float | None = None
 
     def mean_sampled_reward(self) -> float:
