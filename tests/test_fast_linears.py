@@ -138,3 +138,18 @@ def test_export_after_the_weights_became_views(tmp_path):
         key = f"model.layers.0.self_attn.{name}.weight_packed"
         assert torch.equal(written[key], w.qdata)
         assert torch.equal(written[key.replace("packed", "scale")].view(torch.uint8), w.scale.view(torch.uint8))
+
+
+@pytest.mark.parametrize("quantization", ["nvfp4", "bf16"])
+def test_first_fusion_under_inference_mode_leaves_a_trainable_model(quantization):
+    """Lightning validates under ``torch.inference_mode``: when an evaluation is the first generation
+    (a sanity check, validate then fit), the shared buffer must still be a normal tensor."""
+    model = _policy(quantization)
+    with torch.inference_mode(), fused_projections(model, torch.float32) as n:
+        assert n == 2 * LAYERS
+        model(input_ids=IDS)
+    w = _attention(model).q_proj.base_layer.weight
+    assert not (w.qdata if isinstance(w, NVFP4WeightTensor) else w).is_inference()
+    model.train()
+    model(input_ids=IDS).logits.float().pow(2).mean().backward()  # raised before the fix
+    assert all(p.grad is not None for n_, p in model.named_parameters() if p.requires_grad)

@@ -115,7 +115,10 @@ def _one_buffer(parts: list[torch.Tensor], become_view) -> torch.Tensor:
         position += p.numel()
     if in_place:
         return first.new_empty(0).set_(storage, offset, (rows, *first.shape[1:]))
-    whole = torch.cat(parts)
+    # The members keep pointing at this buffer after generation: built under an evaluation's
+    # inference_mode it would be an inference tensor, and the next training forward could not save it.
+    with torch.inference_mode(False), torch.no_grad():
+        whole = torch.cat(parts)
     start = 0
     for i, p in enumerate(parts):
         become_view(i, whole[start: start + p.shape[0]])
