@@ -231,14 +231,17 @@ class QeRLModule(ResumeMixin, EvaluationMixin, L.LightningModule):
                 with base_model_only(self.model), noise_off:  # LoRA off, trained norms at their base values
                     ref_logprobs = torch.cat([lp(mb)[0] for mb in micro_batches])  # (N, T)
 
-        # 3. K updates, each accumulating over micro-batches
+        # 3. K updates, each accumulating over micro-batches. An update's scalars (loss, kl, clip
+        # ratios, grad norm) count only once it is applied; entropy and IS ratio are pre-update values
+        # read in update 0's pass, skipped or not.
         lr = opt.param_groups[0]["lr"]  # the LR of this step's first update (logged as train/lr)
-        local_tokens = loss_mask.sum().clamp(min=1)  # weights of this rank's logged means
+        local_tokens = loss_mask.sum().clamp(min=1).item()  # weights of this rank's logged means
         num_tokens = self.token_normaliser(loss_mask)  # dapo's: the global token count / W
-        sums: dict[str, float] = {}
-        entropy_sum, is_ratio_sum, losses, grad_norms = 0.0, 0.0, [], []
+        sums: dict[str, float] = {}  # the applied updates' metrics, summed over updates
+        losses, grad_norms = [], []  # one per applied update
+        pre = {"entropy": 0.0, "is_ratio": 0.0, "weight": 0.0}
         for update in range(s.updates_per_rollout):
-            finite = True
+            finite, update_loss, update_sums = True, 0.0, {}
             for mb in micro_batches:
                 with self._training_noise():
                     logprobs, entropy = lp(mb, with_entropy=(update == 0 and pre_entropy is None),
@@ -260,21 +263,24 @@ class QeRLModule(ResumeMixin, EvaluationMixin, L.LightningModule):
                 )
                 if s.aggregation == "bnpo":  # a local token mean: average over micro-batches
                     loss = loss / len(micro_batches)
-                if not self._on_all_ranks(bool(torch.isfinite(loss))):  # DDP: all ranks skip together
-                    finite = False
-                    break
-                with self._training_noise():  # gradient checkpointing recomputes the forward in here
-                    self.manual_backward(loss)
-                losses.append(loss.detach())
-                weight = loss_mask[mb].sum().item() / local_tokens.item()
-                for k, v in metrics.items():
-                    sums[k] = sums.get(k, 0.0) + float(v) * weight / s.updates_per_rollout
-                if update == 0:
+                # DDP: all ranks decide together (and so take the same branches below)
+                finite = finite and self._on_all_ranks(bool(torch.isfinite(loss)))
+                weight = loss_mask[mb].sum().item() / local_tokens
+                if finite:
+                    with self._training_noise():  # gradient checkpointing recomputes the forward in here
+                        self.manual_backward(loss)
+                    update_loss += float(loss)
+                    for k, v in metrics.items():
+                        update_sums[k] = update_sums.get(k, 0.0) + float(v) * weight
+                elif update > 0:
+                    break  # this update is lost; the pre-update scalars are complete
+                if update == 0:  # (a skipped update 0 still reads them from every micro-batch)
                     # the pre-update entropy: the no-grad pass's when there was one (same weights, same noise)
                     logged_entropy = pre_entropy[mb] if pre_entropy is not None else entropy.detach()
-                    entropy_sum += float(masked_mean(logged_entropy, loss_mask[mb])) * weight
+                    pre["entropy"] += float(masked_mean(logged_entropy, loss_mask[mb])) * weight
                     raw_ratio = torch.exp((old - rollout.sampler_logprobs[mb]).clamp(max=20))
-                    is_ratio_sum += float(masked_mean(raw_ratio, loss_mask[mb])) * weight
+                    pre["is_ratio"] += float(masked_mean(raw_ratio, loss_mask[mb])) * weight
+                    pre["weight"] += weight
             grad_norm = torch.nn.utils.clip_grad_norm_(self.trainable_parameters(), self.optim_settings.max_grad_norm)
             if not finite or not torch.isfinite(grad_norm):
                 # A NaN/inf must never reach the weights: drop the whole update (partial grads too).
@@ -292,16 +298,24 @@ class QeRLModule(ResumeMixin, EvaluationMixin, L.LightningModule):
                     raise RuntimeError(f"10 updates in a row had a non-finite {what}: check the rewards and the lr")
                 continue
             self._streaks["skipped"] = 0
+            for k, v in update_sums.items():
+                sums[k] = sums.get(k, 0.0) + v
+            losses.append(update_loss)
             grad_norms.append(float(grad_norm))
             opt.step()
             opt.zero_grad(set_to_none=True)
             sched.step()
 
-        self._log_step(rollout, sums, losses, grad_norms, entropy_sum, is_ratio_sum, time.perf_counter() - t0, lr)
+        self._log_step(rollout, sums, losses, grad_norms, pre, time.perf_counter() - t0, lr)
 
     # ---------------------------------------------------------------- logging
-    def _log_step(self, rollout: Rollout, sums, losses, grad_norms, entropy, is_ratio, train_time, lr) -> None:
+    def _log_step(self, rollout: Rollout, sums, losses, grad_norms, pre, train_time, lr) -> None:
+        """One point per curve for this rollout batch; the update scalars are means over the applied
+        updates (NaN when every update was skipped: nothing was trained on)."""
         G = rollout.group_size
+        applied = len(losses)
+        update_mean = lambda key: sums.get(key, 0.0) / applied if applied else float("nan")  # noqa: E731
+        pre_mean = lambda key: pre[key] / pre["weight"] if pre["weight"] else float("nan")  # noqa: E731
         rewards = rollout.rewards.float()
         group_std = rewards.view(-1, G).std(-1) if G > 1 else torch.zeros(rewards.numel())
         lengths = rollout.completion_mask.sum(-1).float()
@@ -311,13 +325,13 @@ class QeRLModule(ResumeMixin, EvaluationMixin, L.LightningModule):
             "train/reward_sampled": rollout.mean_sampled_reward(),
             "train/reward_std": group_std.mean(),
             "train/frac_reward_zero_std": (group_std < 1e-6).float().mean(),
-            "train/entropy": entropy,
-            "train/kl": sums.get("kl", 0.0),
-            "train/loss": float(sum(losses)) / max(1, self.loss_settings.updates_per_rollout) if losses else float("nan"),
-            "train/clip_ratio/low": sums.get("clip_ratio/low", 0.0),
-            "train/clip_ratio/high": sums.get("clip_ratio/high", 0.0),
-            "train/clip_ratio/region": sums.get("clip_ratio/region", 0.0),
-            "train/is_ratio/mean": is_ratio,
+            "train/entropy": pre_mean("entropy"),
+            "train/kl": update_mean("kl"),
+            "train/loss": sum(losses) / applied if applied else float("nan"),
+            "train/clip_ratio/low": update_mean("clip_ratio/low"),
+            "train/clip_ratio/high": update_mean("clip_ratio/high"),
+            "train/clip_ratio/region": update_mean("clip_ratio/region"),
+            "train/is_ratio/mean": pre_mean("is_ratio"),
             "train/completion_length/mean": lengths.mean(),
             "train/completion_length/max": lengths.max(),
             "train/clipped_ratio": rollout.truncated.float().mean(),

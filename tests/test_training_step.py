@@ -226,6 +226,24 @@ def test_updates_per_rollout_makes_k_optimizer_steps_per_rollout(policy, mismatc
     assert run.trainer.lr_scheduler_configs[0].scheduler.last_epoch == 2 * K  # one scheduler step per update
 
 
+def test_a_skipped_update_logs_no_partial_values(policy, mismatched, tmp_path):
+    """A NaN reward in the second micro-batch skips both updates: the weights stay, the update
+    scalars are NaN (not the first micro-batch's share, which looked like a small real loss), and
+    the pre-update entropy / IS ratio (what the adaptive AQN controller reads) are the clean run's."""
+    kw = dict(updates_per_rollout=2, micro_batch_size=3, kl_coef=0.05)
+    clean = fit(policy, mismatched, tmp_path / "clean", **kw)
+    broken = copy.deepcopy(mismatched)
+    broken.rewards[5] = float("nan")  # group 2 (rows 4-5) of micro-batch 1 (rows 3-5)
+    with pytest.warns(UserWarning, match="non-finite loss"):
+        skipped = fit(policy, broken, tmp_path / "nan", **kw)
+    assert max_diff(skipped.before, skipped.after) == 0.0
+    for key in ("train/loss", "train/kl", "train/grad_norm", "train/clip_ratio/low"):
+        assert math.isnan(skipped.logged[key]), (key, skipped.logged[key])
+    for key in ("train/entropy", "train/is_ratio/mean"):
+        assert abs(skipped.logged[key] - clean.logged[key]) <= 1e-6 * abs(clean.logged[key]), key
+    assert skipped.trainer.global_step == 2
+
+
 # ------------------------------------------------------------------------------------------------
 # importance sampling against the sampler's log-probs
 
