@@ -224,7 +224,9 @@ class QeRLModule(ResumeMixin, EvaluationMixin, L.LightningModule):
                     old_logprobs = torch.cat([logprobs for logprobs, _ in passes])  # (N, T)
                 if top_entropy:  # the rollout's forking tokens, fixed for the K updates
                     pre_entropy = torch.cat([h for _, h in passes])  # (N, T); also the logged entropy
-                    high_entropy = high_entropy_mask(pre_entropy, loss_mask, s.top_entropy_quantile)  # (N, T)
+                    high_entropy = high_entropy_mask(  # (N, T); DDP: one threshold over every rank's tokens
+                        pre_entropy, loss_mask, s.top_entropy_quantile,
+                        all_entropies=self._from_every_rank(pre_entropy[loss_mask]))
                 del passes
             if s.kl_coef > 0:
                 noise_off = self.noisy_norms.disable() if self.noisy_norms is not None else contextlib.nullcontext()
@@ -376,6 +378,16 @@ class QeRLModule(ResumeMixin, EvaluationMixin, L.LightningModule):
         if self._world_size() > 1:
             count = self.trainer.strategy.reduce(count, reduce_op="mean")
         return count.clamp(min=1)
+
+    def _from_every_rank(self, values: torch.Tensor) -> torch.Tensor | None:
+        """Every rank's 1-D ``values`` (lengths may differ) concatenated; None in one process."""
+        if self._world_size() <= 1:
+            return None
+        counts = self.all_gather(torch.tensor(values.numel(), device=values.device))  # (W,)
+        padded = values.new_zeros(int(counts.max()))
+        padded[: values.numel()] = values
+        every = self.all_gather(padded)  # (W, max count)
+        return torch.cat([row[: int(n)] for row, n in zip(every, counts)])
 
     def _on_all_ranks(self, flag: bool) -> bool:
         """``flag`` and-ed over the data-parallel ranks: a decision that changes the number of

@@ -223,18 +223,32 @@ def aggregate_loss(
     raise ValueError(f"unknown aggregation {mode!r}; expected 'grpo', 'bnpo', 'dapo' or 'dr_grpo'")
 
 
-def high_entropy_mask(entropy: Tensor, mask: Tensor, quantile: float) -> Tensor:
+def quantile_of(values: Tensor, q: float) -> Tensor:
+    """``torch.quantile(values, q)`` (linear interpolation) for a 1-D tensor of any length
+    (``torch.quantile`` refuses more than 2^24 elements: 16.7 M tokens is one large rollout batch)."""
+    n = values.numel()
+    position = torch.tensor(q, dtype=values.dtype) * (n - 1)  # in the values' dtype, as torch.quantile
+    lo = int(position.floor())
+    hi = min(lo + 1, n - 1)
+    v_lo = torch.kthvalue(values, lo + 1).values
+    v_hi = torch.kthvalue(values, hi + 1).values if hi != lo else v_lo
+    return torch.lerp(v_lo, v_hi, (position - lo).to(values.device))
+
+
+def high_entropy_mask(entropy: Tensor, mask: Tensor, quantile: float, all_entropies: Tensor | None = None) -> Tensor:
     """The valid tokens whose entropy is in the top ``quantile`` share: (N, T) bool.
 
     "Beyond the 80/20 rule" (Wang et al., 2025): RLVR's useful gradient comes from a minority of
     high-entropy "forking" tokens, and a policy gradient on the top 20% alone matched or beat all
     tokens on Qwen3 (TRL: ``top_entropy_quantile``). Kept: valid tokens with entropy >= the
     (1 - quantile) quantile of the valid tokens' entropies (ties kept); quantile 1 keeps them all.
-    entropy: (N, T) token entropies; mask: (N, T) valid tokens."""
+    entropy: (N, T) token entropies; mask: (N, T) valid tokens; all_entropies: the valid tokens'
+    entropies the threshold is taken over, when that is more than this batch (every DDP rank's)."""
     mask = mask.bool()
     if quantile >= 1.0 or not mask.any():
         return mask
-    threshold = torch.quantile(entropy[mask].float(), 1.0 - quantile)
+    pool = entropy[mask] if all_entropies is None else all_entropies
+    threshold = quantile_of(pool.float(), 1.0 - quantile)
     return mask & (entropy >= threshold)
 
 

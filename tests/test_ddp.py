@@ -98,8 +98,9 @@ def test_ddp_dynamic_sampling_ranks_keep_different_group_counts(tmp_path):
 @TWO_RANKS
 def test_ddp_dapo_and_batch_std_normalise_over_all_ranks(tmp_path, accelerator, dtype):
     """dapo divides each rank's token sum by the global token count / W (DDP averages the ranks'
-    gradients: the global token mean), and advantage_scale: batch divides by the std of every rank's
-    rewards. Rank 1's completions are cut to half length, so the ranks' token counts differ."""
+    gradients: the global token mean), advantage_scale: batch divides by the std of every rank's
+    rewards, and top_entropy_quantile takes its threshold over every rank's tokens. Rank 1's
+    completions are cut to half length, so the ranks' token counts differ."""
     (tmp_path / "record_norms.py").write_text(textwrap.dedent(f"""
         import torch, torch.distributed as dist, lightning as L
         import lightning_modules.qerl_module as qm
@@ -127,7 +128,14 @@ def test_ddp_dapo_and_batch_std_normalise_over_all_ranks(tmp_path, accelerator, 
                     out = advantages(rewards, group_size, scale, **kw)
                     self.rows.append(("advantages", rewards.tolist(), out.tolist()))
                     return out
+
+                def recorded_high_entropy(entropy, mask, quantile, all_entropies=None):
+                    out = high_entropy(entropy, mask, quantile, all_entropies=all_entropies)
+                    pool = all_entropies.float()
+                    self.rows.append(("entropy", int(mask.sum()), pool.numel(), float(pool.sum())))
+                    return out
                 pl_module.token_normaliser, qm.group_advantages = recorded_normaliser, recorded_advantages
+                high_entropy, qm.high_entropy_mask = qm.high_entropy_mask, recorded_high_entropy
 
             def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
                 if trainer.global_rank == 1:   # after the RolloutCallback attached the rollout
@@ -139,7 +147,7 @@ def test_ddp_dapo_and_batch_std_normalise_over_all_ranks(tmp_path, accelerator, 
     """))
 
     def dapo(cfg):
-        cfg["model"]["loss"].update(aggregation="dapo", advantage_scale="batch")
+        cfg["model"]["loss"].update(aggregation="dapo", advantage_scale="batch", top_entropy_quantile=0.2)
         for cb in cfg["trainer"]["callbacks"]:
             if cb["class_path"].endswith("RolloutCallback"):
                 cb["init_args"]["reward"] = {"class_path": "record_norms.RankReward"}
@@ -160,6 +168,10 @@ def test_ddp_dapo_and_batch_std_normalise_over_all_ranks(tmp_path, accelerator, 
             expected = ((r - r.mean(1, keepdim=True)) / (std + 1e-4)).view(-1)
             assert torch.allclose(torch.tensor(adv), expected, atol=1e-6), (rewards, adv, expected)
         assert torch.tensor(r0).std() != pytest.approx(float(std))  # not vacuous: local std differs
+    # top_entropy_quantile: one threshold over both ranks' valid tokens (the same pool on each rank)
+    pools = [[row[1:] for row in rank if row[0] == "entropy"] for rank in rows]
+    for (n0, size0, sum0), (n1, size1, sum1) in zip(*pools):
+        assert n0 != n1 and size0 == size1 == n0 + n1 and sum0 == pytest.approx(sum1), pools
 
 
 @TWO_RANKS

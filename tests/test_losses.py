@@ -428,3 +428,17 @@ def test_high_entropy_mask_keeps_the_top_share_of_valid_tokens():
     ties = torch.full((1, 5), 0.5)
     assert high_entropy_mask(ties, torch.ones(1, 5), 0.2).all()  # equal entropies: ties kept
     assert not high_entropy_mask(entropy, torch.zeros(2, 4), 0.2).any()
+    # DDP: one threshold over every rank's tokens (this rank's entropies are all low: none kept)
+    others = torch.full((20,), 9.0)
+    assert not high_entropy_mask(entropy, mask, 2 / 7, all_entropies=torch.cat([entropy[mask.bool()], others])).any()
+
+
+@pytest.mark.parametrize("n", [1, 2, 7, 1000])
+def test_quantile_of_equals_torch_quantile_and_takes_any_length(n):
+    from qerl.losses import quantile_of
+
+    values = torch.randn(n, generator=torch.Generator().manual_seed(n))
+    for q in (0.0, 0.2, 0.5, 0.8, 1.0):
+        assert torch.equal(quantile_of(values, q), torch.quantile(values, q)), (n, q)
+    big = torch.arange(2**24 + 3, dtype=torch.float32)  # torch.quantile raises above 2^24 elements
+    assert quantile_of(big, 0.5).item() == (2**24 + 2) / 2
