@@ -211,12 +211,12 @@ class MathAccuracy(RewardFunction):
         if not isinstance(completion, str) or not isinstance(gold, str) or not gold.strip():
             return 0.0
         text = completion[-self.max_chars :] if self.max_chars > 0 else completion
+        # Replace rather than add, in the box, an unboxed answer and the gold alike: math-verify 0.9
+        # reads `5\,000` as 5*0 = 0 and `5\,001` as 6.
+        text, gold = _DIGIT_SEP_RE.sub("", text), _DIGIT_SEP_RE.sub("", gold)
         boxed = extract_boxed(text)
         if boxed is None and self.boxed_only:
             return 0.0
-        if boxed is not None:
-            # Replace rather than add: math-verify 0.9 reads `5\,000` as 5*0 = 0 and `5\,001` as 6.
-            boxed = _DIGIT_SEP_RE.sub("", boxed)
         # Re-box the extracted content so math-verify sees exactly the last box (its boxed regex
         # is brace-balanced) rather than whatever else the completion contains.
         pred_text = "\\boxed{" + boxed + "}" if boxed is not None else text
@@ -252,19 +252,24 @@ def _parse_gold(gold: str) -> tuple:
     return tuple(parsed)
 
 
-# A thin/negative/medium space or `{,}` between a digit and a group of exactly three digits is a
-# thousands separator (`5\,000`, `1\,234.5`, `5{,}000`); `(1,\,2)` and `5\,00` are left alone.
-_DIGIT_SEP_RE = re.compile(r"(?<=\d)(?:\\[,!;]|\{,\})(?=\d{3}(?!\d))")
+# A LaTeX space (thin `\,`, negative `\!`, medium `\:` / `\;`, control `\ `, tie `~`) or `{,}` between
+# a digit and a group of exactly three digits is a thousands separator (`5\,000`, `1\,234.5`,
+# `5{,}000`, `1\ 000`); `(1,\,2)` and `5\,00` are left alone.
+_DIGIT_SEP_RE = re.compile(r"(?<=\d)(?:\\[,!:; ]|~|\{,\})(?=\d{3}(?!\d))")
 _TEXT_RE = re.compile(r"\\(?:text|textrm|textbf|mbox|mathrm)\s*\{([^{}]*)\}")
 # A whole `\text{}`-unwrapped box that is one number, optionally followed by unit words.
 _NUMBER_UNITS_RE = re.compile(r"\s*(\\?\$?\s*[-+]?(?:\d[\d,]*(?:\.\d+)?|\.\d+))(?:\s+[A-Za-z][A-Za-z\s.]*)?")
+# A box without LaTeX: one number, then words whose first has 3+ letters (`18 dollars`, `5 USD`;
+# not `3 x`, `2 pi`, which are algebra).
+_BARE_NUMBER_UNITS_RE = re.compile(r"\s*([-+]?(?:\d[\d,]*(?:\.\d+)?|\.\d+))\s+[A-Za-z]{3,}[A-Za-z\s.]*")
 
 
 def _text_number(boxed: str) -> str | None:
-    """``\\text{18 dollars}`` → ``18``: the number of a box that, with ``\\text{}`` unwrapped, is
-    one number plus optional unit words; None for anything else (``\\text{Evelyn}``, ``2 and 3``)."""
+    """``\\text{18 dollars}`` or ``18 dollars`` → ``18``: the number of a box that, with ``\\text{}``
+    unwrapped, is one number plus unit words; None for anything else (``\\text{Evelyn}``, ``2 and 3``)."""
     if "\\" not in boxed:
-        return None
+        m = _BARE_NUMBER_UNITS_RE.fullmatch(boxed)
+        return m.group(1) if m else None
     unwrapped = _TEXT_RE.sub(r"\1", boxed)
     if unwrapped == boxed:
         return None

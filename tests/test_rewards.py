@@ -179,6 +179,15 @@ GSM8K_DOLLAR_SPANS = (
         (r"\boxed{5{,}000}", "5000"),
         (r"\boxed{5\!000}", "5000"),
         (r"\boxed{\text{5\,000 people}}", "5000"),
+        (r"\boxed{1\ 000}", "1000"),  # control space and tie as separators
+        (r"\boxed{1~000}", "1000"),
+        (r"The answer is $5\,000$.", "5000"),  # unboxed, and after "####", alike
+        (r"#### 5\,000", "5000"),
+        (r"\boxed{5000}", r"5\,000"),  # a gold written with a separator
+        (r"\boxed{5000}", r"5\;000"),
+        (r"\boxed{18 dollars}", "18"),  # bare unit words after the number
+        (r"\boxed{5 USD}", "5"),
+        (r"\boxed{1,250 dollars}", "1250"),
         (GSM8K_DOLLAR_SPANS, "6"),  # no box: the "####" line comes first
     ],
 )
@@ -194,6 +203,12 @@ def test_accuracy_text_units_separators_hash_line(acc: MathAccuracy, completion:
         (r"\boxed{5\,001}", "5000"),
         (r"\boxed{5\,000}", "0"),  # math-verify alone reads 5\,000 as 5*0
         (r"\boxed{5\,001}", "6"),  # ... and 5\,001 as 6
+        (r"The answer is $5\,000$.", "0"),  # the same without a box
+        (r"The answer is $5\,001$.", "6"),
+        (r"\boxed{0}", r"5\,000"),  # a gold with a separator is 5000, not 5*0
+        (r"\boxed{19 dollars}", "18"),
+        (r"\boxed{3 x}", "3"),  # one-letter (and 2-letter) words are algebra, not units
+        (r"\boxed{2 pi}", "2"),
         (GSM8K_DOLLAR_SPANS.replace("#### 6", "#### 7"), "6"),
         (GSM8K_DOLLAR_SPANS.replace("#### 6", "#### 7"), "4"),  # earlier `$4.00` span no longer wins
     ],
