@@ -25,12 +25,16 @@ _RawRow = tuple[int, str, Any]
 
 def _read_jsonl(path: Path) -> Iterator[_RawRow]:
     index = 0
-    with open(path, encoding="utf-8-sig") as f:
-        for lineno, line in enumerate(f, start=1):
-            if not line.strip():
+    with open(path, "rb") as f:  # decoded per line: one line of broken UTF-8 is one bad row
+        for lineno, raw in enumerate(f, start=1):
+            if lineno == 1 and raw.startswith(b"\xef\xbb\xbf"):  # a UTF-8 byte order mark
+                raw = raw[3:]
+            if not raw.strip():
                 continue
             try:
-                row: Any = json.loads(line)
+                row: Any = json.loads(raw.decode("utf-8"))
+            except UnicodeDecodeError as e:
+                row = BadRow(f"invalid UTF-8 (byte {e.object[e.start]:#04x} at column {e.start + 1})")
             except json.JSONDecodeError as e:
                 row = BadRow(f"invalid JSON ({e.msg} at column {e.colno})")
             yield index, f"{path}:{lineno}", row

@@ -128,6 +128,16 @@ def test_malformed_rows_are_skipped_and_counted(tmp_path, caplog):
     assert "skipped 3 malformed of 5 rows" in text
 
 
+def test_a_line_of_broken_utf8_is_one_bad_row(tmp_path, caplog):
+    good = [json.dumps(GSM8K_ROWS[0]).encode(), json.dumps(GSM8K_ROWS[1]).encode()]
+    path = tmp_path / "latin1.jsonl"
+    path.write_bytes(b"\xef\xbb\xbf" + good[0] + b'\n{"question": "caf\xe9 \xff", "answer": "#### 1"}\r\n' + good[1] + b"\n")
+    with caplog.at_level(logging.WARNING, logger="qerl.data"):
+        ex = load_examples(path)
+    assert [e.answer for e in ex] == ["72", "1080"] and ex.num_skipped == 1
+    assert f"{path}:2" in caplog.text and "invalid UTF-8 (byte 0xe9 at column 18)" in caplog.text
+
+
 def test_all_rows_bad_is_a_clear_error(tmp_path):
     path = write_jsonl(tmp_path / "bad.jsonl", ["not json", '{"question": "q"}'])
     with pytest.raises(ValueError, match="no usable examples.*first error"):
