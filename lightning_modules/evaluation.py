@@ -187,7 +187,8 @@ class EvaluationMixin:
             for key, value in values.items():
                 if key != "problems":
                     self.log(f"{stage}/{name}/{key}", value, on_step=False, on_epoch=True, batch_size=1)
-        self._write_eval_report(stage, results, step)
+        if not self.trainer.sanity_checking:  # a few batches before fit: not a step-0 evaluation
+            self._write_eval_report(stage, results, step)
 
     def _write_eval_report(self, stage: str, results: dict, step: int) -> None:
         log_dir = getattr(self.trainer, "log_dir", None)

@@ -45,10 +45,11 @@ class PassAtK(Metric):
     def __init__(self, k: int = 0, pass_k: Sequence[int] | None = None, **kwargs):
         super().__init__(**kwargs)  # torchmetrics' options (sync_on_compute, ...)
         self.k = k
-        self.pass_k = sorted({int(x) for x in (pass_k if pass_k is not None else [k])} - {1}) if k > 0 else []
-        bad = [x for x in self.pass_k if not 2 <= x <= k]
+        wanted = sorted({int(x) for x in (pass_k if pass_k is not None else [k])} - {0, 1})
+        bad = [x for x in wanted if not 2 <= x <= k]  # with k = 0 every asked k (no samples to estimate from)
         if bad:
             raise ValueError(f"pass@k needs 2 <= k <= samples ({k}); got k = {bad}")
+        self.pass_k = wanted if k > 0 else []
         self.add_state("greedy_correct", default=torch.tensor(0.0), dist_reduce_fx="sum")
         self.add_state("sampled_mean", default=torch.tensor(0.0), dist_reduce_fx="sum")
         self.add_state("sampled_pass", default=torch.zeros(len(self.pass_k)), dist_reduce_fx="sum")

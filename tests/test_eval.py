@@ -64,6 +64,9 @@ def test_pass_at_1_stays_greedy_and_pass_k_from_more_samples():
     assert out["pass@1"] == pytest.approx(2 / 3) and out["mean@4"] == pytest.approx((0.5 + 0 + 0.75) / 3)
     with pytest.raises(ValueError, match="2 <= k <= samples"):
         PassAtK(k=4, pass_k=[8])
+    with pytest.raises(ValueError, match=r"samples \(0\); got k = \[4\]"):
+        PassAtK(k=0, pass_k=[4])  # asked for pass@4 without samples: an error, not a missing row
+    assert PassAtK(k=0, pass_k=[1]).pass_k == []  # pass@1 is the greedy one anyway
 
 
 def test_merge_records_of_ranks_keeps_each_problem_once_in_order():
@@ -131,12 +134,13 @@ def _record_eval_generations(monkeypatch) -> list[dict]:
 def test_periodic_validation_during_fit_reaches_tensorboard_without_noise(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     seen = _record_eval_generations(monkeypatch)
-    cli = main(["fit", *fast_args(tmp_path, 4), "--trainer.val_check_interval=2", "--model.loss.updates_per_rollout=2"])
+    cli = main(["fit", *fast_args(tmp_path, 4), "--trainer.val_check_interval=2", "--model.loss.updates_per_rollout=2",
+                "--trainer.num_sanity_val_steps=1"])  # Lightning's sanity check first: not a report
     values, acc = scalars(f"{tmp_path}/logs")
     # x-axis = optimizer steps: 2 rollout batches of 2 updates each, validation after the second
     steps = {tag: [e.step for e in acc.Scalars(tag)] for tag in ("train/reward", "aqn/sigma", "val/arithmetic/pass@1")}
     assert steps == {"train/reward": [0, 2], "aqn/sigma": [0, 2], "val/arithmetic/pass@1": [4]}
-    assert (Path(cli.trainer.log_dir) / "eval" / "val_step4.json").exists()
+    assert sorted(p.name for p in (Path(cli.trainer.log_dir) / "eval").iterdir()) == ["val_step4.json", "val_step4.md"]
     assert values["train/lr"][0] == pytest.approx(1e-3)  # the LR the first update used (peak, no warmup)
     evals = [g for g in seen if not g["noise"]]
     train_rollouts = [g for g in seen if g["noise"]]
