@@ -44,7 +44,13 @@ class ResumeMixin:
         in the middle of a failure still warns after ``warn_after_steps`` steps in all."""
         trainable = self._trainable_names()
         checkpoint["state_dict"] = {k: v for k, v in checkpoint["state_dict"].items() if k in trainable}
-        checkpoint["qerl_rng"] = global_rng_state()
+        trainer = self._trainer
+        if trainer is not None and trainer.state.fn == "fit" and trainer.validating and self._rng_after_batch is not None:
+            # saved as a validation ends (a keep-best ModelCheckpoint), after it drew from the
+            # generators: the training stream as the straight run continues it (on_validation_end)
+            checkpoint["qerl_rng"] = self._rng_after_batch
+        else:
+            checkpoint["qerl_rng"] = global_rng_state()
         checkpoint["qerl_streaks"] = dict(self._streaks)
         checkpoint["qerl_max_steps"] = self._trainer.max_steps if self._trainer is not None else None
         if self._world_size() > 1:

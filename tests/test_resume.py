@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import yaml
 
 sys.path.insert(0, str(Path(__file__).parent))
 from test_cli import fast_args, scalars  # noqa: E402
@@ -65,6 +66,33 @@ def test_resume_after_a_validation_step_matches_the_straight_run(tmp_path, monke
     straight = main(["fit", *fast_args(tmp_path / "a", 4, extra, schedule="constant")])
     main(["fit", *fast_args(tmp_path / "b", 2, extra, schedule="constant")])
     resumed = main(["fit", *fast_args(tmp_path / "b", 4, [*extra, "--ckpt_path", "last"], schedule="constant")])
+    want = {n: p for n, p in straight.model.model.named_parameters() if p.requires_grad}
+    for n, p in resumed.model.model.named_parameters():
+        if p.requires_grad:
+            assert torch.equal(p, want[n]), (n, (p - want[n]).abs().max())
+
+
+def _keep_best_by_pass1(args: list[str]) -> list[str]:
+    """fast_args with its ModelCheckpoint turned into a keep-best one: it saves when a validation ends."""
+    path = Path(args[1])
+    cfg = yaml.safe_load(path.read_text())
+    for cb in cfg["trainer"]["callbacks"]:
+        if cb["class_path"].endswith("ModelCheckpoint"):
+            cb["init_args"] = {"dirpath": cb["init_args"]["dirpath"], "monitor": "val/arithmetic/pass@1", "mode": "max",
+                               "save_top_k": -1, "filename": "best-{step}"}
+    path.write_text(yaml.safe_dump(cfg))
+    return args
+
+
+def test_resume_from_a_checkpoint_saved_when_a_validation_ends_matches_the_straight_run(tmp_path, monkeypatch):
+    """A keep-best ModelCheckpoint writes its file after the validation has drawn from the global
+    RNG: the file must hold the training stream as the straight run continues it (2.2e-4 apart before)."""
+    monkeypatch.chdir(tmp_path)
+    extra = ["--model.lora.dropout=0.2", "--trainer.val_check_interval=2"]
+    straight = main(["fit", *_keep_best_by_pass1(fast_args(tmp_path / "a", 4, extra, schedule="constant"))])
+    ckpt = tmp_path / "a" / "ckpt" / "best-step=2.ckpt"
+    resumed = main(["fit", *_keep_best_by_pass1(
+        fast_args(tmp_path / "b", 4, [*extra, "--ckpt_path", str(ckpt)], schedule="constant"))])
     want = {n: p for n, p in straight.model.model.named_parameters() if p.requires_grad}
     for n, p in resumed.model.model.named_parameters():
         if p.requires_grad:
