@@ -16,7 +16,7 @@ import dataclasses
 import torch
 from lightning.pytorch.utilities import rank_zero_warn
 
-from lightning_modules.settings import apply_optimizer_settings, hparam_differences
+from lightning_modules.settings import apply_optimizer_settings, decay_flags, hparam_differences, split_one_group_state
 from qerl.seeding import global_rng_state, set_global_rng_state
 
 
@@ -68,6 +68,9 @@ class ResumeMixin:
             raise ValueError(f"the checkpoint does not fit this model ({len(missing)} trainable tensors missing, e.g. "
                              f"{missing[:1]}; {len(unexpected)} unexpected, e.g. {unexpected[:1]}): model.model, "
                              "model.lora and its trainable_norms must be those of the run that wrote it")
+        if self.model is not None and "optimizer_states" in checkpoint:  # written before the norm scales had their own undecayed group
+            flags = decay_flags(self.trainable_parameters())
+            checkpoint["optimizer_states"] = [split_one_group_state(state, flags) for state in checkpoint["optimizer_states"]]
         differences = hparam_differences(_plain(dict(self.hparams)), _plain(dict(checkpoint.get("hyper_parameters") or {})))
         if differences:  # `last` and a file alike (the CLI no longer swaps in the checkpoint's values)
             rank_zero_warn("the checkpoint was trained with other model settings; the config's are used:\n  "

@@ -36,7 +36,7 @@ from lightning.pytorch.utilities import rank_zero_warn
 from qerl.losses import group_advantages, policy_loss, selective_log_softmax, entropy_from_logits, masked_mean
 from qerl.losses import high_entropy_mask, truncated_is_weights
 from lightning_modules.checkpointing import ResumeMixin
-from lightning_modules.settings import LIGHTNING_ADVICE_THAT_DOES_NOT_APPLY, lr_factor, step_count_warnings
+from lightning_modules.settings import LIGHTNING_ADVICE_THAT_DOES_NOT_APPLY, lr_factor, param_groups, step_count_warnings
 from lightning_modules.settings import LossSettings, OptimizerSettings  # noqa: F401  (the CLI's model.loss, .optimizer)
 from lightning_modules.evaluation import EvalSettings, EvaluationMixin  # noqa: F401  (EvalSettings: the CLI's model.eval)
 from qerl.model import LoraSettings, base_model_only, load_policy, load_tokenizer
@@ -154,7 +154,7 @@ class QeRLModule(ResumeMixin, EvaluationMixin, L.LightningModule):
 
     def configure_optimizers(self):
         s = self.optim_settings
-        opt = torch.optim.AdamW(self.trainable_parameters(), lr=s.lr, betas=tuple(s.betas), weight_decay=s.weight_decay)
+        opt = torch.optim.AdamW(param_groups(self.trainable_parameters(), s.weight_decay), lr=s.lr, betas=tuple(s.betas))
         if self.trainer is None or self.trainer.max_steps <= 0:
             raise ValueError("set trainer.max_steps: the prompt stream is endless, and the LR schedule and the AQN "
                              "stages are laid out over max_steps optimizer steps")

@@ -137,6 +137,41 @@ def step_count_warnings(callbacks: list, updates_per_rollout: int, max_steps: in
     return out
 
 
+def decay_flags(params: list) -> list[bool]:
+    """Which trainable tensors get weight decay: matrices (LoRA A / B) do, vectors (trainable RMSNorm
+    scales) do not -- decay would pull a norm's scale toward 0 (HF Trainer and TRL exempt norms and
+    biases alike)."""
+    return [p.dim() >= 2 for p in params]
+
+
+def param_groups(params: list, weight_decay: float) -> list[dict]:
+    """AdamW groups of the trainable tensors, in order: decayed matrices, then (when there are any)
+    the undecayed vectors; ``decay`` marks which is which (kept in checkpoints)."""
+    flags = decay_flags(params)
+    groups = [{"params": [p for p, d in zip(params, flags) if d], "weight_decay": weight_decay, "decay": True}]
+    vectors = [p for p, d in zip(params, flags) if not d]
+    if vectors:
+        groups.append({"params": vectors, "weight_decay": 0.0, "decay": False})
+    return groups
+
+
+def split_one_group_state(state: dict, flags: list[bool]) -> dict:
+    """An optimizer state dict of one param group over the trainable tensors (checkpoints written
+    before vectors got their own undecayed group) in the layout of :func:`param_groups`."""
+    if len(state["param_groups"]) != 1 or all(flags):
+        return state
+    (group,) = state["param_groups"]
+    old = group["params"]  # the ids of the trainable tensors, in order
+    order = [i for i, d in enumerate(flags) if d] + [i for i, d in enumerate(flags) if not d]
+    new_id = {old[i]: new for new, i in enumerate(order)}
+    n = sum(flags)
+    return {
+        "state": {new_id[k]: v for k, v in state["state"].items()},
+        "param_groups": [{**group, "params": list(range(n)), "decay": True},
+                         {**group, "params": list(range(n, len(order))), "weight_decay": 0.0, "decay": False}],
+    }
+
+
 def lr_factor(step: int, total: int, warmup_ratio: float, schedule: str) -> float:
     """Multiplier of the peak LR at optimizer step ``step`` of ``total``."""
     warmup = int(warmup_ratio * total)
@@ -163,14 +198,15 @@ def apply_optimizer_settings(optimizer, scheduler, settings: OptimizerSettings, 
     if saved_max_steps is not None and saved_max_steps != max_steps:
         changed.append(f"trainer.max_steps changed from {saved_max_steps} to {max_steps} on resume: the LR schedule "
                        f"and the AQN stages are laid out over {max_steps} steps from step {scheduler.last_epoch} on")
-    wanted = {"lr": settings.lr, "betas": tuple(settings.betas), "weight_decay": settings.weight_decay}
     for group in optimizer.param_groups:
+        decay = settings.weight_decay if group.get("decay", True) else 0.0  # norm scales: never decayed
+        wanted = {"lr": settings.lr, "betas": tuple(settings.betas), "weight_decay": decay}
         saved = {"lr": group.get("initial_lr", group["lr"]), "betas": tuple(group["betas"]),
                  "weight_decay": group["weight_decay"]}
         for key, value in wanted.items():
-            if saved[key] != value:
+            if saved[key] != value and group.get("decay", True):
                 changed.append(f"model.optimizer.{key} changed from {saved[key]} to {value} on resume: using {value}")
-        group.update(initial_lr=settings.lr, betas=wanted["betas"], weight_decay=settings.weight_decay)
+        group.update(initial_lr=settings.lr, betas=wanted["betas"], weight_decay=decay)
     scheduler.base_lrs = [settings.lr for _ in optimizer.param_groups]
     for group, base, factor in zip(optimizer.param_groups, scheduler.base_lrs, scheduler.lr_lambdas):
         group["lr"] = base * factor(scheduler.last_epoch)

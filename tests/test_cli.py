@@ -117,6 +117,32 @@ def test_checkpoint_holds_only_trainable_params_and_resume_matches_straight_run(
             assert torch.allclose(p, final_straight[n], atol=1e-6), (n, (p - final_straight[n]).abs().max())
 
 
+def test_trainable_norms_resume_from_a_one_group_checkpoint_matches_straight_run(tmp_path, monkeypatch):
+    """Checkpoints written before the norm scales got their own undecayed AdamW group hold one
+    param group: resuming one (made here by merging a new checkpoint's groups back) still equals
+    the straight run, every tensor with its own moments."""
+    monkeypatch.chdir(tmp_path)
+    extra = ["--model.lora.trainable_norms=true"]
+    straight = main(["fit", *fast_args(tmp_path / "a", 4, extra, schedule="constant")])
+    main(["fit", *fast_args(tmp_path / "b", 2, extra, schedule="constant")])
+    path = tmp_path / "b" / "ckpt" / "last.ckpt"
+    ckpt = torch.load(path, weights_only=False)
+    state = ckpt["optimizer_states"][0]
+    assert [g["weight_decay"] for g in state["param_groups"]] == [0.1, 0.0]  # LoRA decays, norms do not
+    flags = [v.dim() >= 2 for v in ckpt["state_dict"].values()]  # the trainable tensors, in model order
+    order = [i for i, d in enumerate(flags) if d] + [i for i, d in enumerate(flags) if not d]
+    group = {k: v for k, v in state["param_groups"][0].items() if k != "decay"}
+    ckpt["optimizer_states"] = [{"state": {i: state["state"][order.index(i)] for i in range(len(flags))},
+                                 "param_groups": [{**group, "params": list(range(len(flags)))}]}]
+    torch.save(ckpt, path)
+    resumed = main(["fit", *fast_args(tmp_path / "b", 4, [*extra, "--ckpt_path", "last"], schedule="constant")])
+    want = {n: p for n, p in straight.model.model.named_parameters() if p.requires_grad}
+    assert any("layernorm" in n for n in want)
+    for n, p in resumed.model.model.named_parameters():
+        if p.requires_grad:
+            assert torch.equal(p, want[n]), (n, (p - want[n]).abs().max())
+
+
 # Pinned on the 2-core CPU dev box (torch 2.13 CPU). Tolerance: 1e-3 relative (1e-9 absolute),
 # room for BLAS summation-order differences between CPUs; any change to sampling, the loss, the
 # advantages, NVFP4 numerics or AQN shows up far above that.

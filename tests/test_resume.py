@@ -132,3 +132,35 @@ def test_settings_objects_compare_as_the_dicts_the_cli_saves():
     assert hparam_differences(_plain(built), _plain({"lora": LoraSettings(rank=4)})) == []
     assert hparam_differences(_plain(built), {"lora": {**vars(LoraSettings(rank=4))}}) == []
     assert hparam_differences(_plain(built), _plain({"lora": LoraSettings(rank=8)})) == ["model.lora.rank: 4 (config) vs 8 (checkpoint)"]
+
+
+def test_norm_scales_get_no_weight_decay_and_old_one_group_states_still_load():
+    """Trainable RMSNorm scales sit in an undecayed AdamW group (decay pulled them toward 0); a
+    checkpoint's optimizer state of one group (before that) is split into the two-group layout."""
+    from lightning_modules.settings import decay_flags, param_groups, split_one_group_state
+
+    torch.manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(4, 3)), torch.nn.Parameter(torch.ones(3)),
+              torch.nn.Parameter(torch.randn(2, 4)), torch.nn.Parameter(torch.ones(5))]
+    old = torch.optim.AdamW(params, lr=0.1, weight_decay=0.1)  # the one-group layout
+    for p in params:
+        p.grad = torch.randn_like(p)
+    old.step()
+    new = torch.optim.AdamW(param_groups(params, 0.1), lr=0.1)
+    assert [[id(p) for p in g["params"]] for g in new.param_groups] == [[id(params[0]), id(params[2])],
+                                                                      [id(params[1]), id(params[3])]]
+    assert [g["weight_decay"] for g in new.param_groups] == [0.1, 0.0]
+    new.load_state_dict(split_one_group_state(old.state_dict(), decay_flags(params)))
+    for p in params:  # every tensor keeps its own moments
+        assert torch.equal(new.state[p]["exp_avg"], old.state[p]["exp_avg"])
+    assert [g["weight_decay"] for g in new.param_groups] == [0.1, 0.0]
+    # a fresh optimizer and a zero gradient: decay alone moves the matrices, never the norm scales
+    fresh = torch.optim.AdamW(param_groups(params, 0.1), lr=0.1)
+    for p in params:
+        p.grad = torch.zeros_like(p)
+    before = [p.detach().clone() for p in params]
+    fresh.step()
+    assert torch.equal(params[1], before[1]) and torch.equal(params[3], before[3])
+    assert not torch.equal(params[0], before[0])
+    only_matrices = [params[0], params[2]]
+    assert len(param_groups(only_matrices, 0.1)) == 1  # LoRA alone: one group, as before
