@@ -55,6 +55,10 @@ class AQNCallback(L.Callback):
         self.module_names = module_names or ["input_layernorm", "post_attention_layernorm"]
         self.seed = resolve_seed(seed)
         self.history = history
+        window = int(getattr(self.controller, "window", 0) or 0)  # a closed-loop controller's moving average
+        if history < max(1, window):
+            raise ValueError(f"AQNCallback: history={history} must be >= 1 and hold the controller's window={window} "
+                             "(else its moving average never forms and it never reacts)")
         self.scale_precision = scale_precision
         self.monitor = MonitorState()
         self._prepared_step = -1

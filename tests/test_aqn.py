@@ -161,6 +161,16 @@ def test_adaptive_relaxes_when_reward_improves_and_watches_entropy():
     assert _drive(ctrl, [0.3] * 12)[0][-1][0] == pytest.approx(1e-3)
 
 
+def test_callback_history_must_hold_the_adaptive_window():
+    from callbacks import AQNCallback
+
+    with pytest.raises(ValueError, match="history=200 must be >= 1 and hold the controller's window=250"):
+        AQNCallback(controller=AdaptiveNoise(window=250))  # the moving average would never form
+    assert AQNCallback(controller=AdaptiveNoise(window=250), history=250).history == 250
+    with pytest.raises(ValueError, match="history=0"):
+        AQNCallback(history=0)
+
+
 def test_adaptive_state_round_trip():
     rewards = [0.3] * 25 + [0.3 + 0.03 * i for i in range(15)] + [0.72] * 30
     make = lambda: AdaptiveNoise(base=ExponentialSchedule(max_steps=600), window=8, cooldown=6)  # noqa: E731
