@@ -317,19 +317,9 @@ class PromptDataModule(L.LightningDataModule):
     # ------------------------------------------------------------------ data position
 
     def _count_on_yield(self) -> bool:
-        """Count consumption at the loader (no trainer) or at the transfer hook (trainer)."""
-        if self.trainer is None:
-            return True
-        from lightning.pytorch.utilities.model_helpers import is_overridden
-
-        module = self.trainer.lightning_module
-        if module is not None and is_overridden("on_before_batch_transfer", module):
-            logger.warning(
-                "the LightningModule overrides on_before_batch_transfer, so PromptDataModule counts"
-                " consumed batches at the loader; a resumed run may skip the one prefetched batch"
-            )
-            return True
-        return False
+        """Count consumption at the loader without a trainer; with one, at this DataModule's transfer
+        hook (Lightning calls it, not a LightningModule's override, for every trained batch)."""
+        return self.trainer is None
 
     def _mark_consumed(self, batch: Any) -> None:
         position = getattr(batch, "position", None)

@@ -402,7 +402,7 @@ def test_missing_tokenizer_is_a_clear_error():
 # ------------------------------------------------------------------------------------------ Trainer
 
 
-def _trainer_run(tmp_path, tokenizer, max_steps, ckpt_path=None):
+def _trainer_run(tmp_path, tokenizer, max_steps, ckpt_path=None, module_transfer_hook=False):
     import lightning as L
 
     class Recorder(L.LightningModule):
@@ -427,7 +427,11 @@ def _trainer_run(tmp_path, tokenizer, max_steps, ckpt_path=None):
     tmp_path.mkdir(parents=True, exist_ok=True)
     val = write_jsonl(tmp_path / "val.jsonl", GSM8K_ROWS)
     dm = PromptDataModule(val_sources={"gsm8k": val}, num_train_examples=30, prompts_per_step=4, seed=5)
-    module = Recorder()
+    class RecorderWithHook(Recorder):
+        def on_before_batch_transfer(self, batch, dataloader_idx):  # Lightning calls the DataModule's instead
+            return batch
+
+    module = RecorderWithHook() if module_transfer_hook else Recorder()
     trainer = L.Trainer(
         max_steps=max_steps, val_check_interval=4, check_val_every_n_epoch=None, num_sanity_val_steps=0,
         accelerator="cpu", devices=1, logger=False, enable_progress_bar=False, enable_model_summary=False,
@@ -435,6 +439,11 @@ def _trainer_run(tmp_path, tokenizer, max_steps, ckpt_path=None):
     )
     trainer.fit(module, datamodule=dm, ckpt_path=ckpt_path)
     return trainer, module, dm
+
+
+def test_a_module_transfer_hook_does_not_change_the_count(tmp_path, tokenizer):
+    _, module, dm = _trainer_run(tmp_path, tokenizer, max_steps=5, module_transfer_hook=True)
+    assert len(module.seen) == 5 and dm.state_dict()["batches_consumed"] == 5  # not 11 (counted twice)
 
 
 def test_trainer_resume_continues_the_stream(tmp_path, tokenizer):
