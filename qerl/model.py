@@ -34,7 +34,13 @@ from qerl.tiny import TINY_MODEL_NAMES, build_tiny_model, build_tiny_tokenizer
 log = logging.getLogger(__name__)
 
 Quantization = Literal["bf16", "nf4", "nvfp4"]
-DECODER_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+# Where each decoder linear sits in a layer (Qwen2/Qwen3/Llama-style): exactly these are quantized and
+# adapted, and check_decoder_linears refuses a layer with any other weight matrix.
+DECODER_LINEAR_PATHS = {
+    "q_proj": "self_attn.q_proj", "k_proj": "self_attn.k_proj", "v_proj": "self_attn.v_proj",
+    "o_proj": "self_attn.o_proj", "gate_proj": "mlp.gate_proj", "up_proj": "mlp.up_proj", "down_proj": "mlp.down_proj",
+}
+DECODER_LINEARS = tuple(DECODER_LINEAR_PATHS)
 # Projections that vLLM fuses into one GEMM and that must therefore share a per-tensor scale.
 SHARED_SCALE_GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 NOISY_NORM_NAMES = ("input_layernorm", "post_attention_layernorm")
@@ -117,34 +123,57 @@ def decoder_layers(model: nn.Module) -> nn.ModuleList:
     return layers
 
 
+def _layer_linears(layer: nn.Module) -> dict[str, nn.Linear]:
+    """Short name -> the ``nn.Linear`` at its ``DECODER_LINEAR_PATHS`` path in ``layer`` (absent ones
+    left out). By full path: a Qwen2-MoE's ``mlp.shared_expert.gate_proj`` is not ``mlp.gate_proj``."""
+    modules = dict(layer.named_modules())
+    return {short: modules[path] for short, path in DECODER_LINEAR_PATHS.items()
+            if isinstance(modules.get(path), nn.Linear)}
+
+
 def check_decoder_linears(model: nn.Module) -> None:
-    """Every decoder layer must hold all of ``DECODER_LINEARS`` as ``nn.Linear``: a model with fused
-    projections (Phi-3's ``qkv_proj`` / ``gate_up_proj``) would be quantized and adapted only in
-    part, silently (the 4-bit arms then hold 16-bit attention and LoRA on two modules a layer)."""
+    """Every decoder layer must hold all of ``DECODER_LINEAR_PATHS`` as ``nn.Linear`` and no other
+    weight matrix: fused projections (Phi-3's ``qkv_proj`` / ``gate_up_proj``) or mixture-of-experts
+    (Qwen2-MoE's router and 3-D expert weights) would be quantized and adapted only in part, silently
+    (the 4-bit arms then hold 16-bit attention or experts, without LoRA)."""
+    allowed = {f"{path}.weight" for path in DECODER_LINEAR_PATHS.values()}
     for i, layer in enumerate(decoder_layers(model)):
-        have = {name.rsplit(".", 1)[-1] for name, mod in layer.named_modules() if isinstance(mod, nn.Linear)}
+        have = _layer_linears(layer)
         missing = [name for name in DECODER_LINEARS if name not in have]
-        if missing:
-            raise ValueError(f"{type(model).__name__} layer {i} has no {', '.join(missing)} linear(s): qerl "
-                             f"supports decoders with separate {', '.join(DECODER_LINEARS)} (Qwen2/Qwen3/Llama-style)")
+        others = [name for name, p in layer.named_parameters() if p.dim() >= 2 and name not in allowed]
+        if missing or others:
+            problems = [f"no {', '.join(missing)} linear(s)"] if missing else []
+            if others:
+                more = f" and {len(others) - 3} more" if len(others) > 3 else ""
+                problems.append(f"weights qerl would leave 16-bit without LoRA ({', '.join(others[:3])}{more})")
+            raise ValueError(f"{type(model).__name__} layer {i} has {' and '.join(problems)}: qerl supports decoders "
+                             "with separate self_attn.{q,k,v,o}_proj and mlp.{gate,up,down}_proj linears only "
+                             "(Qwen2/Qwen3/Llama-style; no fused projections, no mixture-of-experts)")
+
+
+def _module_name(model: nn.Module, module: nn.Module) -> str:
+    return next((name for name, mod in model.named_modules() if mod is module), "")
 
 
 @torch.no_grad()
 def quantize_decoder_linears(model: nn.Module, device: str | torch.device = "cpu") -> int:
     """Replace every decoder linear weight by an ``NVFP4WeightTensor``, one layer at a time on
-    ``device``; the rest of the model is moved to ``device`` afterwards. Returns the count."""
+    ``device``; the rest of the model is moved to ``device`` afterwards. Returns the count.
+    A weight with inf / NaN is a ValueError naming the linear (it would make its whole group NaN)."""
     count = 0
-    for layer in decoder_layers(model):
+    layers = decoder_layers(model)
+    prefix = _module_name(model, layers)
+    for i, layer in enumerate(layers):
         layer.to(device)
-        linears = {name.rsplit(".", 1)[-1]: mod for name, mod in layer.named_modules()
-                   if name.rsplit(".", 1)[-1] in DECODER_LINEARS and isinstance(mod, nn.Linear)}
+        linears = _layer_linears(layer)
+        names = {short: f"{prefix}.{i}.{DECODER_LINEAR_PATHS[short]}".lstrip(".") for short in linears}
         shared = {}
         for group in SHARED_SCALE_GROUPS:
             if all(g in linears for g in group):
-                scale = global_scale_for(*(linears[g].weight for g in group))
+                scale = global_scale_for(*(linears[g].weight for g in group), names=[names[g] for g in group])
                 shared.update({g: scale for g in group})
         for short, mod in linears.items():
-            qweight = NVFP4WeightTensor.from_float(mod.weight.data, shared.get(short))
+            qweight = NVFP4WeightTensor.from_float(mod.weight.data, shared.get(short), name=names[short])
             mod.weight = nn.Parameter(qweight, requires_grad=False)
             count += 1
     model.to(device)
@@ -164,10 +193,7 @@ def quantize_decoder_linears_nf4(model: nn.Module, device: str | torch.device = 
         raise ModuleNotFoundError("quantization: nf4 needs bitsandbytes (pip install 'qerl[qlora]')") from err
     count = 0
     for layer in decoder_layers(model):
-        for name, mod in list(layer.named_modules()):
-            short = name.rsplit(".", 1)[-1]
-            if short not in DECODER_LINEARS or not isinstance(mod, nn.Linear):
-                continue
+        for short, mod in _layer_linears(layer).items():
             q = bnb.nn.Linear4bit(mod.in_features, mod.out_features, bias=mod.bias is not None,
                                   compute_dtype=mod.weight.dtype, quant_type="nf4", compress_statistics=True,
                                   device="meta")
@@ -181,8 +207,7 @@ def quantize_decoder_linears_nf4(model: nn.Module, device: str | torch.device = 
             # training forward after it then fails (or would get no input gradient). Keep the
             # autograd path: the CPU is for tests here.
             q.support_avx512bf16_for_cpu = False
-            parent = layer.get_submodule(name.rsplit(".", 1)[0]) if "." in name else layer
-            setattr(parent, short, q)
+            setattr(layer.get_submodule(DECODER_LINEAR_PATHS[short].rsplit(".", 1)[0]), short, q)
             count += 1
     model.to(device)
     return count

@@ -242,6 +242,48 @@ def test_models_qerl_cannot_quantize_whole_and_folders_without_a_tokenizer_fail_
         load_policy(str(tmp_path / "phi3"), "nvfp4", None)
 
 
+def test_mixture_of_experts_is_refused_and_only_the_decoder_linears_are_quantized():
+    """Qwen2-MoE's shared expert has gate/up/down_proj: a search by short name took it for the MLP,
+    and the router and the routed experts' fused 3-D weights stayed 16-bit without LoRA, silently."""
+    from transformers import Qwen2MoeConfig, Qwen2MoeForCausalLM
+
+    from qerl.model import check_decoder_linears, quantize_decoder_linears_nf4
+
+    moe = Qwen2MoeForCausalLM(Qwen2MoeConfig(
+        vocab_size=128, hidden_size=64, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+        shared_expert_intermediate_size=32))
+    with pytest.raises(ValueError, match=r"layer 0 has no gate_proj, up_proj, down_proj linear\(s\) and weights "
+                                         r"qerl would leave 16-bit without LoRA \(mlp\.gate\.weight, mlp\.experts\."
+                                         r".*mixture-of-experts"):
+        check_decoder_linears(moe)
+    for quantize, kind in [(quantize_decoder_linears, NVFP4WeightTensor), (quantize_decoder_linears_nf4, None)]:
+        model, _ = load_base_model("tiny-qwen2", dtype="fp32")
+        mlp = model.model.layers[1].mlp
+        extra = {n: torch.nn.Linear(64, 64) for n in ("gate_proj", "up_proj", "down_proj")}
+        mlp.shared_expert = torch.nn.ModuleDict(extra)
+        mlp.shared_expert_gate = torch.nn.Linear(64, 1, bias=False)  # as in Qwen2-MoE
+        with pytest.raises(ValueError, match=r"layer 1 has weights qerl would leave 16-bit without LoRA "
+                                             r"\(mlp\.shared_expert\.gate_proj\.weight, .* and 1 more\)"):
+            check_decoder_linears(model)
+        assert quantize(model) == model.config.num_hidden_layers * len(DECODER_LINEARS)
+        for name in ("gate_proj", "up_proj", "down_proj"):  # the MLP's own linears, the extra ones left alone
+            assert type(extra[name]) is torch.nn.Linear and type(extra[name].weight) is torch.nn.Parameter
+            quantized = getattr(mlp, name)
+            assert isinstance(quantized.weight, kind) if kind else type(quantized).__name__ == "Linear4bit", name
+
+
+def test_non_finite_weight_is_an_error_naming_the_linear():
+    """One inf would be the per-tensor scale of all of q/k/v: every logit NaN, without a word."""
+    for where, value, counts in [("0.self_attn.q_proj", "inf", "1 inf, 0 nan"), ("1.mlp.up_proj", "nan", "0 inf, 1 nan")]:
+        model, _ = load_base_model("tiny-qwen2", dtype="bf16")
+        with torch.no_grad():
+            model.get_submodule(f"model.layers.{where}").weight[2, 3] = float(value)
+        message = rf"^model\.layers\.{where}: weight has non-finite values \({counts}\): cannot quantize$"
+        with pytest.raises(ValueError, match=message):
+            quantize_decoder_linears(model)
+
+
 def test_nf4_without_bitsandbytes_is_a_module_not_found_error(monkeypatch):
     """train.py prints ModuleNotFoundError as one line (a plain ImportError was a traceback)."""
     import sys
