@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import importlib.util
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
@@ -50,10 +51,25 @@ def set_cuda_backend(name: str) -> None:
     _CUDA_BACKEND = name
 
 
-def global_scale_for(*weights: torch.Tensor) -> torch.Tensor:
+def check_finite(weight: torch.Tensor, name: str = "") -> None:
+    """Refuse a weight holding inf or NaN: e2m1 has no code for them, and its amax would become the
+    per-tensor scale of the whole tensor (and of its fused q/k/v or gate/up group), all NaN then.
+    ``name`` (e.g. the linear's module name) starts the error message."""
+    if not torch.isfinite(weight).all():
+        n_inf, n_nan = int(torch.isinf(weight).sum()), int(torch.isnan(weight).sum())
+        where = f"{name}: " if name else ""
+        raise ValueError(f"{where}weight has non-finite values ({n_inf} inf, {n_nan} nan): cannot quantize")
+
+
+def global_scale_for(*weights: torch.Tensor, names: Sequence[str] = ()) -> torch.Tensor:
     """The fp32 per-tensor scale shared by ``weights``: amax / (448 * 6), so the largest block
-    scale lands on e4m3's maximum. Pass q, k and v (or gate and up) together to share one."""
-    amax = torch.stack([w.detach().abs().amax().float() for w in weights]).amax()
+    scale lands on e4m3's maximum. Pass q, k and v (or gate and up) together to share one;
+    ``names`` label them in the error a non-finite weight raises (see :func:`check_finite`)."""
+    amaxes = torch.stack([w.detach().abs().amax().float() for w in weights])
+    if not torch.isfinite(amaxes).all():  # amax propagates NaN: only then find and count the culprit
+        for w, name in zip(weights, names or [""] * len(weights)):
+            check_finite(w, name)
+    amax = amaxes.amax()
     # An all-zero group would give scale 0 (NaN codes), and clamping amax to float tiny a denormal
     # scale whose reciprocal, the exported weight_global_scale, is inf: any positive amax decodes
     # zeros exactly, so use 1.
@@ -163,16 +179,22 @@ class NVFP4WeightTensor(TorchAOBaseTensor):
         self.orig_dtype = orig_dtype
 
     @classmethod
-    def from_float(cls, weight: torch.Tensor, per_tensor_scale: torch.Tensor | None = None) -> "NVFP4WeightTensor":
+    def from_float(cls, weight: torch.Tensor, per_tensor_scale: torch.Tensor | None = None,
+                   name: str = "") -> "NVFP4WeightTensor":
         """Quantize a float ``[N, K]`` weight (K % 16 == 0). ``per_tensor_scale`` defaults to this
-        weight's own ``amax / 2688``; pass ``global_scale_for(q, k, v)`` to share one across a group."""
+        weight's own ``amax / 2688``; pass ``global_scale_for(q, k, v)`` to share one across a group.
+        A weight with inf / NaN is a ValueError that starts with ``name`` (see :func:`check_finite`)."""
         if weight.dim() != 2 or weight.shape[1] % BLOCK_SIZE:
             raise ValueError(f"NVFP4 needs a 2-D weight with K divisible by 16, got shape {tuple(weight.shape)}")
         orig_dtype = weight.dtype
         # torchao rejects fp16 input; its math runs in fp32 anyway.
         w = weight.detach()
         w = (w if w.dtype in (torch.bfloat16, torch.float32) else w.float()).contiguous()
-        pts = global_scale_for(w) if per_tensor_scale is None else per_tensor_scale
+        if per_tensor_scale is None:
+            pts = global_scale_for(w, names=[name])
+        else:
+            check_finite(w, name)  # its codes would be NaN even under a finite shared scale
+            pts = per_tensor_scale
         pts = pts.detach().to(device=w.device, dtype=torch.float32).reshape(())
         scale, qdata = nvfp4_quantize(w, BLOCK_SIZE, pts)
         return cls(qdata, scale, pts, orig_dtype)
@@ -192,10 +214,13 @@ implements = NVFP4WeightTensor.implements
 implements_torch_function = NVFP4WeightTensor.implements_torch_function
 
 
+def _linear_arguments(input, weight, bias=None):  # noqa: A002  (F.linear's own parameter names)
+    return input, weight, bias
+
+
 @implements_torch_function(F.linear)
 def _linear(func, types, args, kwargs):
-    x, weight = args[0], args[1]
-    bias = args[2] if len(args) > 2 else kwargs.get("bias")
+    x, weight, bias = _linear_arguments(*args, **(kwargs or {}))  # any of them may come by keyword
     return NVFP4Linear.apply(x, weight.qdata, weight.scale, weight.per_tensor_scale, bias)
 
 
