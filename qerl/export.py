@@ -36,11 +36,12 @@ from safetensors.torch import save_file
 from transformers import PreTrainedTokenizerBase
 
 from qerl.adapter import (  # noqa: F401  (the adapter half of the export, re-exported here)
-    TRAINABLE_NORMS_FILE, _hf_model, _is_adapter, _is_peft, adapter_from_checkpoint, export_adapter, hf_name,
-    load_adapter, load_adapter_into,
+    TRAINABLE_NORMS_FILE, _hf_model, _is_adapter, _is_peft, _load_checkpoint, adapter_from_checkpoint,
+    export_adapter, hf_name, load_adapter, load_adapter_into,
 )
 from qerl.model import SHARED_SCALE_GROUPS, _parse_dtype, load_policy
 from qerl.nvfp4 import BLOCK_SIZE, NVFP4WeightTensor
+from qerl.tiny import TINY_MODEL_NAMES
 
 log = logging.getLogger(__name__)
 
@@ -259,12 +260,56 @@ def _check_paths(parser: argparse.ArgumentParser, args: argparse.Namespace) -> N
                     "that base (dequantized) instead of the original 16-bit weights")
 
 
+# What an unreadable or foreign --adapter checkpoint raises (a one-line CLI error).
+_CHECKPOINT_ERRORS = (OSError, RuntimeError, ValueError, TypeError, KeyError, pickle.UnpicklingError)
+
+
 def _checkpoint_adapter(parser: argparse.ArgumentParser, ckpt: str, out: str | Path) -> Path:
     """:func:`adapter_from_checkpoint` with an unreadable or foreign checkpoint as a one-line CLI error."""
     try:
         return adapter_from_checkpoint(ckpt, out)
-    except (OSError, RuntimeError, ValueError, TypeError, KeyError, pickle.UnpicklingError) as err:
+    except _CHECKPOINT_ERRORS as err:
         parser.error(f"cannot read the adapter of --adapter {ckpt}: {err}")
+
+
+def _trained_seed(ckpt: dict) -> int | None:
+    """The seed QeRLModule built its tiny model with: its ``seed``, or when that is null the run's
+    ``seed_everything``, which the checkpoint holds only as the data module's resolved seed (when
+    ``data.seed`` was null too); None when neither is recorded."""
+    seed = (ckpt["hyper_parameters"] or {}).get("seed")
+    if seed is not None:
+        return int(seed)
+    data_hp = ckpt.get("datamodule_hyper_parameters")
+    data = ckpt.get("PromptDataModule")  # Lightning stores a data module's state under its class name
+    follows_run = isinstance(data_hp, dict) and "seed" in data_hp and data_hp["seed"] is None
+    return int(data["seed"]) if follows_run and isinstance(data, dict) and "seed" in data else None
+
+
+def _base_settings(parser: argparse.ArgumentParser, args: argparse.Namespace) -> tuple[str, int]:
+    """(dtype, seed) to build the base in. With a training checkpoint, the run's: NVFP4 codes of
+    weights loaded (a .gguf dequantized) or randomly initialised in another dtype differ, and a tiny
+    model's weights are its seed's; ``--dtype`` then casts only the dense tensors written."""
+    seed = 0 if args.seed is None else args.seed
+    if not str(args.adapter or "").endswith(".ckpt"):
+        return args.dtype, seed
+    try:
+        ckpt = _load_checkpoint(args.adapter)
+    except _CHECKPOINT_ERRORS as err:
+        parser.error(f"cannot read the adapter of --adapter {args.adapter}: {err}")
+    hp = ckpt["hyper_parameters"] or {}
+    dtype = hp.get("dtype") or args.dtype
+    if args.model not in TINY_MODEL_NAMES:
+        return dtype, seed
+    if hp.get("model", args.model) != args.model:
+        parser.error(f"--model {args.model}, but --adapter {args.adapter} was trained on {hp['model']}")
+    trained = _trained_seed(ckpt)
+    if trained is None:
+        if args.seed is None:
+            log.warning("%s does not record its tiny model's seed: building seed 0 (else pass --seed)", args.adapter)
+        return dtype, seed
+    if args.seed is not None and args.seed != trained:
+        parser.error(f"--seed {args.seed}, but --adapter {args.adapter} was trained on {args.model} of seed {trained}")
+    return dtype, trained
 
 
 def main(argv: list[str] | None = None) -> Path:
@@ -277,11 +322,13 @@ def main(argv: list[str] | None = None) -> Path:
     parser.add_argument("--overwrite", action="store_true", help="replace the export already in --out")
     parser.add_argument("--adapter", default=None,
                         help="peft adapter dir (written by export_adapter / save_pretrained) or a training .ckpt")
-    parser.add_argument("--dtype", default="bf16", choices=["bf16", "fp16"], help="dtype of the 16-bit tensors")
+    parser.add_argument("--dtype", default="bf16", choices=["bf16", "fp16"],
+                        help="dtype of the 16-bit tensors (a training .ckpt's base is built in its own dtype first)")
     parser.add_argument("--device", default="cpu", help="where to quantize (cuda is faster for big models)")
     parser.add_argument("--from-nvfp4", action="store_true",
                         help="with --format bf16: export the dequantized NVFP4 weights instead of the originals")
-    parser.add_argument("--seed", type=int, default=0, help="seed of the tiny random models")
+    parser.add_argument("--seed", type=int, default=None,
+                        help="seed of the tiny random models (default: a training .ckpt's, else 0)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     _check_paths(parser, args)
@@ -290,9 +337,9 @@ def main(argv: list[str] | None = None) -> Path:
         print(out)
         return out
     quantization = "nvfp4" if args.format == "nvfp4" or args.from_nvfp4 else "bf16"
+    base_dtype, seed = _base_settings(parser, args)
     try:
-        model, tokenizer = load_policy(args.model, quantization, None, dtype=args.dtype, device=args.device,
-                                       seed=args.seed)
+        model, tokenizer = load_policy(args.model, quantization, None, dtype=base_dtype, device=args.device, seed=seed)
     except (OSError, ValueError) as err:  # unknown model path / id, unreadable GGUF
         parser.error(f"cannot load --model {args.model}: {err}")
     if args.adapter and str(args.adapter).endswith(".ckpt"):

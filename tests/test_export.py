@@ -457,6 +457,37 @@ def test_training_checkpoint_to_adapter(tmp_path, lora_as):
             main(["--format", "adapter", "--adapter", str(tmp_path / "empty.ckpt"), "--out", str(tmp_path / "e")])
 
 
+@pytest.mark.parametrize("seed_from", ["module", "seed_everything"])
+def test_checkpoint_export_rebuilds_the_trained_tiny_base(tmp_path, capsys, seed_from):
+    """A tiny model is a random init: the export must build it in the checkpoint's dtype (the
+    quickstart trains in fp32; NVFP4 codes of a bf16 init differ) and seed (the module's, or when
+    that is null the run's seed_everything, as the data module's state records it), not --dtype and 0."""
+    from lightning_modules.qerl_module import QeRLModule
+
+    seed = 3
+    module = QeRLModule(model="tiny-qwen2", quantization="nvfp4", dtype="fp32", lora=LoraSettings(rank=4, alpha=8),
+                        seed=seed if seed_from == "module" else None)
+    trained, _ = load_policy("tiny-qwen2", "nvfp4", LoraSettings(rank=4, alpha=8), dtype="fp32", seed=seed)
+    module.model = trained
+    ckpt = {"state_dict": module.state_dict(), "hyper_parameters": dict(module.hparams)}
+    module.on_save_checkpoint(ckpt)
+    if seed_from == "seed_everything":  # what Lightning stores of the data module (its seed null too)
+        ckpt.update(datamodule_hyper_parameters={"seed": None}, PromptDataModule={"seed": seed})
+    torch.save(ckpt, tmp_path / "last.ckpt")
+
+    out = main(["--model", "tiny-qwen2", "--adapter", str(tmp_path / "last.ckpt"), "--out", str(tmp_path / "x")])
+    tensors = load_file(out / "model.safetensors")
+    assert tensors["model.embed_tokens.weight"].dtype == torch.bfloat16  # --dtype: the dense tensors only
+    for prefix, w in _nvfp4_weights(trained).items():
+        assert torch.equal(tensors[f"{prefix}.weight_packed"], w.qdata), prefix
+        assert torch.equal(tensors[f"{prefix}.weight_scale"].view(torch.uint8), w.scale.view(torch.uint8)), prefix
+        assert torch.equal(tensors[f"{prefix}.weight_global_scale"], 1 / w.per_tensor_scale.reshape(1)), prefix
+    for argv, problem in [(["--seed", "4"], "--seed 4, but"), (["--model", "tiny-llama"], "was trained on tiny-qwen2")]:
+        with pytest.raises(SystemExit):
+            main(["--model", "tiny-qwen2", "--adapter", str(tmp_path / "last.ckpt"), "--out", str(tmp_path / "y"), *argv])
+        assert problem in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("content, problem", [
     (None, "empty or truncated file"),
     ([1, 2], "holds a list, not a checkpoint dict"),

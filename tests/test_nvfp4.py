@@ -66,6 +66,28 @@ def test_shared_per_tensor_scale():
     assert ((qq.dequantize(torch.float32) - q).norm() / q.norm()) < 0.11
 
 
+def test_non_finite_weights_are_refused_by_name():
+    """One inf or NaN would be the amax of the shared per-tensor scale: the whole tensor, and every
+    tensor of its fused group, would decode to NaN. It is a ValueError naming the weight instead."""
+    q, k = torch.randn(64, 32), torch.randn(16, 32)
+    k[3, 5], k[0, 0] = float("nan"), float("inf")
+    with pytest.raises(ValueError, match=r"^k_proj: weight has non-finite values \(1 inf, 1 nan\): cannot quantize$"):
+        global_scale_for(q, k, names=["q_proj", "k_proj"])
+    with pytest.raises(ValueError, match=r"^weight has non-finite values \(1 inf, 1 nan\)"):
+        NVFP4WeightTensor.from_float(k)
+    with pytest.raises(ValueError, match=r"^k_proj: weight has non-finite"):  # also under a finite shared scale
+        NVFP4WeightTensor.from_float(k, global_scale_for(q), name="k_proj")
+
+
+def test_linear_takes_keyword_arguments():
+    lin, _ = _linear()
+    x = torch.randn(3, 80)
+    y = F.linear(x, lin.weight, lin.bias)
+    assert torch.equal(F.linear(input=x, weight=lin.weight, bias=lin.bias), y)
+    assert torch.equal(F.linear(x, weight=lin.weight, bias=lin.bias), y)
+    assert torch.equal(F.linear(input=x, weight=lin.weight), F.linear(x, lin.weight))
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_forward_and_input_grad_equal_dequantized_reference(dtype):
     lin, _ = _linear()
