@@ -84,8 +84,8 @@ def test_gpu_quickstart_cli(tmp_path, monkeypatch, extra):
     attention and fused ops while generating, AQN noise on: every scalar finite, LoRA trained
     (and with trainable norms: their fp32 master weights through the fused norm, bf16 activations)."""
     monkeypatch.chdir(tmp_path)
-    # Lightning's sanity validation first: the engine's first generation (and its fused q/k/v,
-    # gate/up buffers) happens under inference_mode, and training must still run after it
+    # Lightning's sanity validation first: the engine's first generation (its fused q/k/v, gate/up
+    # buffers, static cache and graphs) is an evaluation's, and training must still run after it
     cli = main(["fit", *fast_args(tmp_path, 3, ["--trainer.accelerator=gpu", "--trainer.devices=1",
                                                  "--model.dtype=bf16", "--trainer.num_sanity_val_steps=1", *extra])])
     values, _ = scalars(f"{tmp_path}/logs")

@@ -142,8 +142,9 @@ def test_export_after_the_weights_became_views(tmp_path):
 
 @pytest.mark.parametrize("quantization", ["nvfp4", "bf16"])
 def test_first_fusion_under_inference_mode_leaves_a_trainable_model(quantization):
-    """Lightning validates under ``torch.inference_mode``: when an evaluation is the first generation
-    (a sanity check, validate then fit), the shared buffer must still be a normal tensor."""
+    """``trainer.validate`` runs under ``torch.inference_mode`` (validation inside fit under no_grad):
+    when it makes the first generation and ``trainer.fit`` of the same module follows in the process,
+    the shared buffer must still be a normal tensor."""
     model = _policy(quantization)
     with torch.inference_mode(), fused_projections(model, torch.float32) as n:
         assert n == 2 * LAYERS
