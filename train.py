@@ -1,14 +1,77 @@
 """Entry point: ``python train.py fit --config configs/quickstart.yaml`` (also validate / test,
 ``--print_config``, ``--ckpt_path last``). LightningCLI only: every knob lives in the YAML."""
 
+import glob
 import logging
 import os
 import sys
 
-from lightning.pytorch.cli import LightningCLI
+import torch
+from lightning.fabric.utilities.exceptions import MisconfigurationException
+from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
+from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from lightning_modules.data import PromptDataModule
 from lightning_modules.qerl_module import QeRLModule
+
+
+def condensed(message: str) -> str:
+    """jsonargparse's error without the noise: a union error lists every subtype it tried and dumps
+    the whole given value (the callback list with object addresses); keep its key and first reason."""
+    if "Does not validate against any of the Union subtypes" not in message:
+        return message
+    lines = message.splitlines()
+    head = lines[0] if lines[0].startswith("Parser key") else ""
+    try:
+        start = next(i for i, line in enumerate(lines) if line.lstrip().startswith("- "))
+    except StopIteration:
+        return message
+    indent = len(lines[start]) - len(lines[start].lstrip())
+    reason = [lines[start].strip()[2:]]
+    for line in lines[start + 1:]:  # the first reason's continuation lines are indented deeper
+        if len(line) - len(line.lstrip()) <= indent:
+            break
+        reason.append(line.strip())
+    return " ".join([head, *reason]).strip()
+
+
+class QeRLParser(LightningArgumentParser):
+    """A bad option or value is one ``error:`` line, not the ~70-line usage above it."""
+
+    def error(self, message: str, ex: Exception | None = None):
+        if self.exit_on_error and os.environ.get("QERL_TRACEBACK", "0") != "1":
+            sys.stderr.write(f"error: {condensed(message)}  (--help lists the options)\n")
+            self.exit(2)
+        super().error(message, ex)
+
+
+def checkpoint_dirs(config) -> list[str]:
+    """The ``dirpath`` of every ModelCheckpoint in a parsed subcommand config (where ``last`` is)."""
+    callbacks = config.get("trainer", {}).get("callbacks") or []
+    return [str(cb.init_args.dirpath) for cb in callbacks if str(getattr(cb, "class_path", "")).endswith("Checkpoint")
+            and getattr(getattr(cb, "init_args", None), "dirpath", None)]
+
+
+def check_ckpt_path(subcommand: str, ckpt_path: str | None, dirs: list[str]) -> None:
+    """A ``--ckpt_path`` that cannot serve the subcommand is a ValueError now, not a traceback later:
+    a file that is a directory or not a readable checkpoint; ``last`` for validate / test when the
+    checkpoint folders hold none (Lightning would evaluate the untrained model). ``fit`` with
+    ``last`` and nothing saved yet starts from scratch, as Lightning does."""
+    if not ckpt_path or ckpt_path in ("best", "hpc", "registry"):
+        return
+    if ckpt_path == "last":
+        if subcommand != "fit" and dirs and not any(glob.glob(os.path.join(d, "last*.ckpt")) for d in dirs):
+            raise ValueError(f"--ckpt_path last: no last*.ckpt in {', '.join(dirs)}: nothing to {subcommand} "
+                             "(leave --ckpt_path out to evaluate the configured model)")
+        return
+    if os.path.isdir(ckpt_path):
+        raise ValueError(f"--ckpt_path {ckpt_path} is a directory: name a .ckpt file (or last)")
+    if os.path.isfile(ckpt_path):
+        try:
+            torch.load(ckpt_path, map_location="cpu", weights_only=False)  # megabytes: only the trainable tensors
+        except Exception as err:  # noqa: BLE001 - any unreadable file: the same one-line answer
+            first = str(err).splitlines()[0] if str(err) else ""
+            raise ValueError(f"--ckpt_path {ckpt_path} is not a readable checkpoint ({type(err).__name__}: {first})") from err
 
 
 class QeRLCLI(LightningCLI):
@@ -18,10 +81,14 @@ class QeRLCLI(LightningCLI):
     when ``--ckpt_path`` names a file (not for ``last``): a resume with a new lr or a validate with
     more samples would silently run the checkpoint's values. Here the config (YAML and command line)
     wins for ``last`` and files alike; ``QeRLModule.on_load_checkpoint`` warns each value that
-    differs from the checkpoint's (``--config <log_dir>/config.yaml`` reruns with the run's own)."""
+    differs from the checkpoint's (``--config <log_dir>/config.yaml`` reruns with the run's own).
+    A ``--ckpt_path`` that cannot serve the subcommand fails here (``check_ckpt_path``)."""
 
     def _parse_ckpt_path(self) -> None:
-        return None
+        subcommand = self.config.get("subcommand")
+        if subcommand:
+            config = self.config[subcommand]
+            check_ckpt_path(subcommand, config.get("ckpt_path"), checkpoint_dirs(config))
 
 
 def main(args=None, run: bool = True) -> LightningCLI:
@@ -37,20 +104,30 @@ def main(args=None, run: bool = True) -> LightningCLI:
         QeRLModule,
         PromptDataModule,
         save_config_kwargs={"overwrite": True},
+        parser_class=QeRLParser,
         args=args,
         run=run,
     )
 
 
 def cli_entry() -> None:
-    """``main()`` for the shell: a bad value, a missing file or an unknown model path is one line on
-    stderr (exit 2) instead of a long traceback; ``QERL_TRACEBACK=1`` shows the traceback."""
+    """``main()`` for the shell: a bad value, a missing file, an unknown model path or a setting the
+    machine cannot run (a GPU recipe on a CPU box) is one line on stderr (exit 2) instead of a long
+    traceback; ``QERL_TRACEBACK=1`` shows the traceback. A SIGTERM (a scheduler's preemption) stops
+    after the current rollout batch, saves ``last`` and exits 143, not 0."""
     try:
         main()
-    except (ValueError, FileNotFoundError, ModuleNotFoundError) as err:
+    except SIGTERMException:
+        print("stopped by SIGTERM after a complete rollout batch (saved as `last` where the config saves "
+              "last checkpoints): resume with --ckpt_path last", file=sys.stderr)
+        sys.exit(143)
+    except (ValueError, OSError, ModuleNotFoundError, MisconfigurationException) as err:
         if os.environ.get("QERL_TRACEBACK", "0") == "1":
             raise
-        print(f"error: {type(err).__name__}: {err}  (QERL_TRACEBACK=1 shows the traceback)", file=sys.stderr)
+        hint = ("; this config runs on a GPU (--trainer.accelerator cpu runs it here, slowly)"
+                if "No supported gpu backend" in str(err) else "")
+        print(f"error: {type(err).__name__}: {condensed(str(err))}{hint}  (QERL_TRACEBACK=1 shows the traceback)",
+              file=sys.stderr)
         sys.exit(2)
 
 

@@ -13,12 +13,21 @@ from __future__ import annotations
 
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from callbacks.summary import adopt_subclass
 
 
 class StepCheckpoint(ModelCheckpoint):
-    """``ModelCheckpoint`` whose ``{step}`` (file names, ``monitor: step``) is ``trainer.global_step``."""
+    """``ModelCheckpoint`` whose ``{step}`` (file names, ``monitor: step``) is ``trainer.global_step``;
+    with ``save_last`` it also saves ``last`` when a SIGTERM stops the fit."""
+
+    def on_exception(self, trainer, pl_module, exception: BaseException) -> None:
+        super().on_exception(trainer, pl_module, exception)  # save_on_exception, if asked for
+        # Lightning raises SIGTERM's exception between training batches: the state is a whole
+        # rollout batch's, worth a resume (another exception may land inside an update)
+        if isinstance(exception, SIGTERMException) and self.save_last and trainer.state.fn == "fit":
+            self._save_last_checkpoint(trainer, self._monitor_candidates(trainer))
 
     def _monitor_candidates(self, trainer) -> dict[str, torch.Tensor]:
         candidates = super()._monitor_candidates(trainer)

@@ -56,7 +56,7 @@ class RolloutCallback(L.Callback):
 
     Args:
         reward: the reward function (a ``qerl.rewards`` class by ``class_path``; default math-verify accuracy).
-        group_size: completions sampled per prompt (G).
+        group_size: completions sampled per prompt (G >= 2: the advantages compare them).
         sampling: temperature, top-p, top-k, max_new_tokens.
         engine: hf (the training model itself, works on CPU) or vllm (colocated; GPU).
         max_batch_size: sequences decoded together by the hf engine.
@@ -100,8 +100,12 @@ class RolloutCallback(L.Callback):
         seed: int | None = None,
         vllm: VLLMSettings | None = None,
     ):
-        if group_size < 1 or max_batch_size < 1 or not 0 <= max_refill_rounds <= 15:
-            raise ValueError("RolloutCallback: group_size and max_batch_size must be >= 1, max_refill_rounds in 0..15")
+        if group_size < 2:  # one completion per prompt: every group-relative advantage is 0
+            raise ValueError(f"RolloutCallback: group_size must be >= 2 (GRPO compares the completions of a prompt; "
+                             f"with {group_size} every advantage is 0), got {group_size}")
+        if max_batch_size < 1 or not 0 <= max_refill_rounds <= 15:
+            raise ValueError(f"RolloutCallback: max_batch_size must be >= 1 and max_refill_rounds in 0..15, got "
+                             f"{max_batch_size} and {max_refill_rounds}")
         sampling = sampling or SamplingSettings()
         if not 0 <= overlong_buffer <= sampling.max_new_tokens:
             raise ValueError(f"RolloutCallback: overlong_buffer must be in [0, sampling.max_new_tokens="

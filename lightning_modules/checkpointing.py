@@ -61,13 +61,17 @@ class ResumeMixin:
     def on_load_checkpoint(self, checkpoint: dict) -> None:
         # strict_loading is off (the frozen base is not in the file): check the trainable tensors by
         # hand, or a checkpoint of another model or LoRA layout would load nothing and run the base
-        trainable = self._trainable_names()
-        saved = set(checkpoint.get("state_dict", {}))
-        if self.model is not None and saved != trainable:
-            missing, unexpected = sorted(trainable - saved), sorted(saved - trainable)
+        shapes = {n: tuple(p.shape) for n, p in self.named_parameters() if p.requires_grad}
+        state = checkpoint.get("state_dict", {})
+        saved = set(state)
+        resized = sorted(n for n in saved & set(shapes) if tuple(state[n].shape) != shapes[n])
+        if self.model is not None and (saved != set(shapes) or resized):
+            missing, unexpected = sorted(set(shapes) - saved), sorted(saved - set(shapes))
+            example = f" (e.g. {resized[0]}: {tuple(state[resized[0]].shape)} saved, {shapes[resized[0]]} here)" if resized else ""
             raise ValueError(f"the checkpoint does not fit this model ({len(missing)} trainable tensors missing, e.g. "
-                             f"{missing[:1]}; {len(unexpected)} unexpected, e.g. {unexpected[:1]}): model.model, "
-                             "model.lora and its trainable_norms must be those of the run that wrote it")
+                             f"{missing[:1]}; {len(unexpected)} unexpected, e.g. {unexpected[:1]}; {len(resized)} of "
+                             f"another shape{example}): model.model, model.lora (rank, targets) and its "
+                             "trainable_norms must be those of the run that wrote it")
         if self.model is not None and "optimizer_states" in checkpoint:  # written before the norm scales had their own undecayed group
             flags = decay_flags(self.trainable_parameters())
             checkpoint["optimizer_states"] = [split_one_group_state(state, flags) for state in checkpoint["optimizer_states"]]

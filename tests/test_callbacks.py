@@ -205,3 +205,12 @@ def test_checkpoint_interval_or_max_steps_not_a_multiple_of_updates_per_rollout_
     assert step_count_warnings(cbs, updates_per_rollout=1, max_steps=201) == []
     (msg,) = step_count_warnings([], updates_per_rollout=4, max_steps=201)
     assert "max_steps=201" in msg and "step 204" in msg and "3 update(s)" in msg
+
+
+def test_group_of_one_or_bad_batch_settings_fail_at_construction():
+    import pytest
+
+    with pytest.raises(ValueError, match="group_size must be >= 2 .* got 1"):
+        RolloutCallback(group_size=1)  # every advantage would be 0: only a KL term would train
+    with pytest.raises(ValueError, match="max_batch_size must be >= 1 and max_refill_rounds in 0..15, got 0 and 2"):
+        RolloutCallback(max_batch_size=0)

@@ -104,6 +104,48 @@ def test_resume_into_another_lora_layout_fails_clearly(tmp_path, monkeypatch):
     main(["fit", *fast_args(tmp_path, 1)])
     with pytest.raises(ValueError, match="checkpoint does not fit this model"):
         main(["fit", *fast_args(tmp_path, 2, ["--ckpt_path", "last", "--model.lora.trainable_norms=true"])])
+    # another rank: the same tensor names, other shapes (load_state_dict's 28 size mismatches before)
+    with pytest.raises(ValueError, match=r"28 of another shape \(e.g. .*lora_A.*: \(8, 128\) saved, \(4, 128\) here\)"):
+        main(["fit", *fast_args(tmp_path, 2, ["--ckpt_path", "last", "--model.lora.rank=4"])])
+    with pytest.raises(ValueError, match="of another shape"):
+        main(["validate", *fast_args(tmp_path, 2, ["--ckpt_path", "last", "--model.lora.rank=4"])])
+
+
+def test_unusable_ckpt_paths_fail_before_the_run(tmp_path, monkeypatch):
+    from train import check_ckpt_path
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "text.ckpt").write_text("not a checkpoint")
+    with pytest.raises(ValueError, match="text.ckpt is not a readable checkpoint"):
+        main(["fit", *fast_args(tmp_path, 1, ["--ckpt_path", str(tmp_path / "text.ckpt")])])
+    with pytest.raises(ValueError, match="is a directory"):
+        check_ckpt_path("fit", str(tmp_path), [])
+    # validate / test of `last` with nothing saved would evaluate the untrained model
+    with pytest.raises(ValueError, match="no last\\*.ckpt in .*ckpt: nothing to validate"):
+        main(["validate", *fast_args(tmp_path, 1, ["--ckpt_path", "last"])])
+    check_ckpt_path("fit", "last", [str(tmp_path / "ckpt")])  # a fit starts from scratch instead
+
+
+def test_sigterm_stops_after_the_batch_and_saves_last(tmp_path, monkeypatch):
+    """A scheduler's SIGTERM: Lightning stops after the current rollout batch; `last` holds it."""
+    import os
+    import signal
+
+    import lightning as L
+    from lightning.pytorch.utilities.exceptions import SIGTERMException
+
+    class TermAtStep2(L.Callback):
+        def on_train_batch_end(self, trainer, *args):
+            if trainer.global_step == 2:
+                os.kill(os.getpid(), signal.SIGTERM)
+
+    monkeypatch.chdir(tmp_path)
+    cli = main(fast_args(tmp_path, 6), run=False)
+    cli.trainer.checkpoint_callback._every_n_train_steps = 100  # no periodic save: `last` comes from the SIGTERM
+    cli.trainer.callbacks.append(TermAtStep2())
+    with pytest.raises(SIGTERMException):
+        cli.trainer.fit(cli.model, datamodule=cli.datamodule)
+    assert torch.load(tmp_path / "ckpt" / "last.ckpt", weights_only=False)["global_step"] == 2
 
 
 def test_validate_a_checkpoint_is_labelled_with_its_step(tmp_path, monkeypatch):
