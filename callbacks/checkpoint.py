@@ -11,8 +11,12 @@ YAML into one (a subclass of its own stays as it is).
 
 from __future__ import annotations
 
+import glob
+import os
+
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.utilities import rank_zero_warn
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from callbacks.summary import adopt_subclass
@@ -21,6 +25,16 @@ from callbacks.summary import adopt_subclass
 class StepCheckpoint(ModelCheckpoint):
     """``ModelCheckpoint`` whose ``{step}`` (file names, ``monitor: step``) is ``trainer.global_step``;
     with ``save_last`` it also saves ``last`` when a SIGTERM stops the fit."""
+
+    def setup(self, trainer, pl_module, stage: str) -> None:
+        super().setup(trainer, pl_module, stage)
+        # a fresh fit into a folder that holds another run's `last`: both runs' files would sit side
+        # by side (last.ckpt, last-v1.ckpt, ...) and `--ckpt_path last` resumes the newest of them
+        earlier = sorted(glob.glob(os.path.join(self.dirpath or "", "last*.ckpt"))) if self.dirpath else []
+        if stage == "fit" and trainer.ckpt_path is None and earlier:
+            rank_zero_warn(f"{self.dirpath} already holds {', '.join(os.path.basename(p) for p in earlier)} of an earlier "
+                           "run: this run's checkpoints go beside them and `--ckpt_path last` picks the newest file; "
+                           "resume that run with --ckpt_path last, or give this one its own dirpath")
 
     def on_exception(self, trainer, pl_module, exception: BaseException) -> None:
         super().on_exception(trainer, pl_module, exception)  # save_on_exception, if asked for

@@ -26,6 +26,16 @@ def test_checkpoint_files_are_named_by_the_optimizer_step_they_hold(tmp_path, mo
         assert torch.load(path, weights_only=False)["global_step"] == step, path.name
 
 
+def test_a_fresh_fit_into_a_folder_with_an_earlier_last_warns_and_keeps_every_step(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    main(["fit", *fast_args(tmp_path, 3)])
+    assert {p.name for p in (tmp_path / "ckpt").glob("*.ckpt")} == {  # save_top_k -1: every periodic file stays
+        "epoch=0-step=1.ckpt", "epoch=0-step=2.ckpt", "epoch=0-step=3.ckpt", "last.ckpt"}
+    with pytest.warns(UserWarning, match="already holds last.ckpt of an earlier run"):
+        main(["fit", *fast_args(tmp_path, 1)])
+    assert (tmp_path / "ckpt" / "last-v1.ckpt").exists() and (tmp_path / "ckpt" / "epoch=0-step=3.ckpt").exists()
+
+
 def test_resume_from_a_file_runs_the_config_lr_and_max_steps(tmp_path, monkeypatch):
     """A 2-step cosine run ends at lr 0. Resumed from the checkpoint *file* with lr doubled and
     max_steps 2 -> 4: the config is what runs (Lightning's CLI would restore the checkpoint's lr;
