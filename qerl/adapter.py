@@ -107,11 +107,35 @@ def adapter_from_checkpoint(ckpt_path: str | Path, out_dir: str | Path) -> Path:
     return out
 
 
+def _check_lora_fits(model: nn.Module, saved: dict[str, torch.Tensor], name: str = "the adapter") -> None:
+    """ValueError naming the first LoRA tensor of ``saved`` (peft's file naming) that does not fit
+    ``model``, i.e. an adapter trained on another base: peft stops at a wider base's linears with a
+    size-mismatch traceback, and drops the tensors of a deeper base's extra layers without a word."""
+    modules = dict(_hf_model(model).named_modules())
+    for key, tensor in saved.items():
+        path, _, kind = key.removeprefix(_PEFT_PREFIX).rpartition(".lora_")
+        if kind not in ("A.weight", "B.weight"):
+            continue  # DoRA magnitudes, embedding LoRA: not qerl's, peft checks them
+        linear = getattr(modules.get(path), "base_layer", modules.get(path))  # the model may be peft-wrapped
+        if not isinstance(linear, nn.Linear):
+            raise ValueError(f"{name} has LoRA for {path}, a linear the model lacks: "
+                             "it was trained on another base model")
+        # lora_A is [r, in_features], lora_B [out_features, r]
+        have, want, what = ((tensor.shape[1], linear.in_features, "inputs") if kind == "A.weight"
+                            else (tensor.shape[0], linear.out_features, "outputs"))
+        if have != want:
+            raise ValueError(f"{name} has LoRA for {path} with {have} {what}, the model's linear has {want}: "
+                             "it was trained on another base model")
+
+
 def load_adapter(model: nn.Module, adapter_dir: str | Path) -> nn.Module:
     """Inverse of :func:`export_adapter`: wrap ``model`` with the saved adapter and load the
-    trainable norms (marked trainable again, so a re-export writes them too)."""
+    trainable norms (marked trainable again, so a re-export writes them too). An adapter whose
+    LoRA tensors do not fit ``model`` is a ValueError (:func:`_check_lora_fits`)."""
     from peft import PeftModel
+    from peft.utils import load_peft_weights
 
+    _check_lora_fits(model, load_peft_weights(str(adapter_dir), device="cpu"))
     peft_model = PeftModel.from_pretrained(model, str(adapter_dir))
     _load_trainable_norms(peft_model, adapter_dir)
     return peft_model
@@ -123,8 +147,8 @@ def load_adapter_into(peft_model: nn.Module, adapter_dir: str | Path) -> nn.Modu
 
     The saved ``adapter_config.json`` must match the model's LoRA (rank, alpha, target modules, and
     rsLoRA / DoRA, which also change the update) and the file must hold exactly the model's LoRA
-    tensors: otherwise a ValueError in one line, before anything is copied. A different alpha or a
-    subset of the trained modules would otherwise load silently and give other logits."""
+    tensors, in its linears' shapes: otherwise a ValueError in one line, before anything is copied. A
+    different alpha or a subset of the trained modules would otherwise load silently and give other logits."""
     from peft import get_peft_model_state_dict, set_peft_model_state_dict
     from peft.utils import load_peft_weights
 
@@ -140,6 +164,7 @@ def load_adapter_into(peft_model: nn.Module, adapter_dir: str | Path) -> nn.Modu
     if missing:
         raise ValueError(f"adapter {adapter_dir} lacks {len(missing)} LoRA tensors of the model "
                          f"(e.g. {missing[0]}): set model.lora to match the adapter_config.json there")
+    _check_lora_fits(peft_model, saved, f"adapter {adapter_dir}")
     result = set_peft_model_state_dict(peft_model, saved)
     if result.unexpected_keys:  # the key check above should make this unreachable
         raise ValueError(f"adapter {adapter_dir}: the model has no slot for {len(result.unexpected_keys)} "

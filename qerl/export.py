@@ -285,12 +285,47 @@ def _trained_seed(ckpt: dict) -> int | None:
     return int(data["seed"]) if follows_run and isinstance(data, dict) and "seed" in data else None
 
 
+def _same_model(a: str, b: str) -> bool:
+    """Whether two model names are the same string or the same path. A .gguf file also matches its
+    folder: peft records that folder as the base of a model loaded from the file."""
+    if a == b:
+        return True
+    pa, pb = (Path(x).expanduser().resolve() for x in (a, b))
+    if not (pa.exists() and pb.exists()):
+        return False
+    folder = [p.parent if p.suffix == ".gguf" and p.is_file() else p for p in (pa, pb)]
+    return pa == pb or ((pa.is_dir() or pb.is_dir()) and folder[0] == folder[1])
+
+
+def _check_trained_base(parser: argparse.ArgumentParser, args: argparse.Namespace, trained_on: str | None,
+                        strict: bool) -> None:
+    """--model against the base the adapter records having been trained on. With ``strict`` (a training
+    checkpoint's ``model``), two different tiny models are an error: the same shapes, other weights.
+    Any other difference is a warning, as it may be the same model by another name (a local copy of
+    a hub id); an adapter that does not fit --model's linears is refused when it loads."""
+    if not trained_on or _same_model(trained_on, args.model):
+        return
+    if strict and trained_on in TINY_MODEL_NAMES and args.model in TINY_MODEL_NAMES:
+        parser.error(f"--model {args.model}, but --adapter {args.adapter} was trained on {trained_on}")
+    log.warning("--model %s, but --adapter %s was trained on %s: exporting it onto --model (are they the same "
+                "model?)", args.model, args.adapter, trained_on)
+
+
 def _base_settings(parser: argparse.ArgumentParser, args: argparse.Namespace) -> tuple[str, int]:
-    """(dtype, seed) to build the base in. With a training checkpoint, the run's: NVFP4 codes of
-    weights loaded (a .gguf dequantized) or randomly initialised in another dtype differ, and a tiny
-    model's weights are its seed's; ``--dtype`` then casts only the dense tensors written."""
+    """(dtype, seed) to build the base in, once --model is checked against the adapter's recorded base.
+    With a training checkpoint, the run's: NVFP4 codes of weights loaded (a .gguf dequantized) or
+    randomly initialised in another dtype differ, and a tiny model's weights are its seed's; ``--dtype``
+    then casts only the dense tensors written."""
     seed = 0 if args.seed is None else args.seed
-    if not str(args.adapter or "").endswith(".ckpt"):
+    if not args.adapter:
+        return args.dtype, seed
+    if not str(args.adapter).endswith(".ckpt"):  # a peft adapter directory (checked by _check_paths)
+        try:
+            config = json.loads((Path(args.adapter) / "adapter_config.json").read_text())
+        except (OSError, ValueError) as err:
+            parser.error(f"cannot read --adapter {args.adapter}/adapter_config.json: {err}")
+        base = config.get("base_model_name_or_path") if isinstance(config, dict) else None
+        _check_trained_base(parser, args, base, strict=False)
         return args.dtype, seed
     try:
         ckpt = _load_checkpoint(args.adapter)
@@ -298,10 +333,9 @@ def _base_settings(parser: argparse.ArgumentParser, args: argparse.Namespace) ->
         parser.error(f"cannot read the adapter of --adapter {args.adapter}: {err}")
     hp = ckpt["hyper_parameters"] or {}
     dtype = hp.get("dtype") or args.dtype
-    if args.model not in TINY_MODEL_NAMES:
-        return dtype, seed
-    if hp.get("model", args.model) != args.model:
-        parser.error(f"--model {args.model}, but --adapter {args.adapter} was trained on {hp['model']}")
+    _check_trained_base(parser, args, hp.get("model"), strict=True)
+    if args.model not in TINY_MODEL_NAMES or hp.get("model", args.model) != args.model:
+        return dtype, seed  # the run's seed built another model
     trained = _trained_seed(ckpt)
     if trained is None:
         if args.seed is None:
@@ -342,11 +376,13 @@ def main(argv: list[str] | None = None) -> Path:
         model, tokenizer = load_policy(args.model, quantization, None, dtype=base_dtype, device=args.device, seed=seed)
     except (OSError, ValueError) as err:  # unknown model path / id, unreadable GGUF
         parser.error(f"cannot load --model {args.model}: {err}")
-    if args.adapter and str(args.adapter).endswith(".ckpt"):
+    if args.adapter:
         with tempfile.TemporaryDirectory() as tmp:
-            model = load_adapter(model, _checkpoint_adapter(parser, args.adapter, tmp))
-    elif args.adapter:
-        model = load_adapter(model, args.adapter)
+            is_ckpt = str(args.adapter).endswith(".ckpt")
+            try:  # an adapter that does not fit --model (trained on another base): one line
+                model = load_adapter(model, _checkpoint_adapter(parser, args.adapter, tmp) if is_ckpt else args.adapter)
+            except ValueError as err:
+                parser.error(f"cannot load --adapter {args.adapter} onto --model {args.model}: {err}")
     shutil.rmtree(Path(args.out) / ADAPTER_SUBDIR, ignore_errors=True)  # never leave an earlier run's adapter
     export = export_nvfp4 if args.format == "nvfp4" else export_bf16
     out = export(model, tokenizer, args.out, dtype=args.dtype)

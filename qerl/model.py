@@ -2,7 +2,8 @@
 
 Sources (``name_or_path``):
 - ``tiny-qwen2`` / ``tiny-llama``: random tiny models built in code (quickstart, tests);
-- a local directory or a Hugging Face id (``transformers.from_pretrained``);
+- a local directory or a Hugging Face id (``transformers.from_pretrained``), not an already quantized
+  one (compressed-tensors, GPTQ, AWQ, ...: refused);
 - a ``.gguf`` file (transformers dequantizes it on load; needs the ``gguf`` package).
 
 The full model is first materialized on the CPU in 16 bits. Quantization then walks the decoder
@@ -16,9 +17,12 @@ single global scale (research/vllm.md §1.2): the export is then lossless.
 from __future__ import annotations
 
 import contextlib
+import difflib
+import json
 import logging
 import math
 import os
+import re
 import struct
 import warnings
 from dataclasses import dataclass, field
@@ -69,21 +73,70 @@ def _load_error(name_or_path: str, err: Exception) -> ValueError:
     )
 
 
-def _split_gguf(name_or_path: str) -> tuple[str, dict]:
-    """(folder or id, extra from_pretrained kwargs) for a model path that may be a .gguf file."""
-    if not name_or_path.endswith(".gguf"):
-        return name_or_path, {}
-    if not os.path.isfile(name_or_path):
-        raise FileNotFoundError(f"GGUF file not found: {name_or_path}")
-    folder, gguf_file = os.path.split(os.path.abspath(name_or_path))
-    return folder, {"gguf_file": gguf_file}
+# What the hub takes without a local path: ``owner/name``, or one of its legacy single-segment ids
+# (``gpt2``, ``bert-base-uncased``: lower case, digits and dashes; never a dot, as in ``qwen2.5-7b``).
+_HUB_ID = re.compile(r"[\w.-]+/[\w.-]+|[a-z0-9]+(?:-[a-z0-9]+)*")
+_PATH_PREFIXES = ("/", "./", "../", "~")
+
+
+def _model_source(name_or_path: str) -> tuple[str, dict]:
+    """(folder or id, extra from_pretrained kwargs) for a model that is not a tiny one: a .gguf file
+    becomes its folder + ``gguf_file``, ``~`` is expanded. A name that can only be a typo (a misspelled
+    tiny model, a path that does not exist, neither a path nor a hub id) is a ValueError at once: the
+    hub lookup it would get instead retries for most of a minute offline."""
+    path = os.path.expanduser(name_or_path)
+    if name_or_path.endswith(".gguf"):
+        if not os.path.isfile(path):
+            raise FileNotFoundError(f"GGUF file not found: {name_or_path}")
+        folder, gguf_file = os.path.split(os.path.abspath(path))
+        return folder, {"gguf_file": gguf_file}
+    if os.path.exists(path):
+        return path, {}
+    if name_or_path.startswith("tiny-") and "/" not in name_or_path:  # (a hub owner may be tiny-...)
+        close = difflib.get_close_matches(name_or_path, TINY_MODEL_NAMES, n=1)
+        hint = f": did you mean {close[0]!r}?" if close else ""
+        raise ValueError(f"unknown built-in model {name_or_path!r}{hint} (built-in: {', '.join(TINY_MODEL_NAMES)})")
+    if name_or_path.startswith(_PATH_PREFIXES):
+        raise ValueError(f"cannot load model {name_or_path!r}: no such file or directory")
+    if not _HUB_ID.fullmatch(name_or_path):
+        raise ValueError(f"cannot load model {name_or_path!r}: no such local file or directory, and not a Hugging "
+                         f"Face id (owner/name, e.g. Qwen/Qwen2.5-7B-Instruct) or a tiny model name "
+                         f"({', '.join(TINY_MODEL_NAMES)})")
+    return name_or_path, {}
+
+
+def _refuse_prequantized(name_or_path: str, quantization_config: object) -> None:
+    """A checkpoint that is already quantized (compressed-tensors, as ``qerl.export --format nvfp4``
+    writes it; GPTQ, AWQ, bitsandbytes, ...) loads as its quantizer's own linear modules, which qerl
+    can neither quantize nor wrap with LoRA: a ValueError naming its ``quant_method``."""
+    if not quantization_config:
+        return
+    method = (quantization_config.get("quant_method") if isinstance(quantization_config, dict)
+              else getattr(quantization_config, "quant_method", None))
+    method = getattr(method, "value", method) or "unknown"  # transformers' QuantizationMethod enum
+    raise ValueError(
+        f"cannot load model {name_or_path!r}: it is a {method} (pre-quantized) checkpoint, which cannot be the "
+        "trained base; use the original model, or a bf16 export of it (python -m qerl.export --model ORIGINAL "
+        "--format bf16)"
+    )
+
+
+def _local_quantization_config(source: str) -> dict | None:
+    """``quantization_config`` of a local model folder's config.json (None for hub ids, folders without
+    one and unreadable files, which from_pretrained reports itself)."""
+    try:
+        with open(os.path.join(source, "config.json")) as f:
+            config = json.load(f)
+    except (OSError, ValueError):
+        return None
+    return config.get("quantization_config") if isinstance(config, dict) else None
 
 
 def load_tokenizer(name_or_path: str) -> PreTrainedTokenizerBase:
     """The model's tokenizer alone (cheap: the DataModule needs it before the model is built)."""
     if name_or_path in TINY_MODEL_NAMES:
         return build_tiny_tokenizer()
-    source, extra = _split_gguf(name_or_path)
+    source, extra = _model_source(name_or_path)
     try:
         tokenizer = AutoTokenizer.from_pretrained(source, **extra)
     except _LOAD_ERRORS as err:
@@ -99,17 +152,22 @@ def load_tokenizer(name_or_path: str) -> PreTrainedTokenizerBase:
 def load_base_model(
     name_or_path: str, dtype: str | torch.dtype = "bf16", seed: int = 0
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
-    """Load model and tokenizer on the CPU, in ``dtype``, without quantizing anything yet."""
+    """Load model and tokenizer on the CPU, in ``dtype``, without quantizing anything yet.
+    A pre-quantized checkpoint is refused: a local folder's before any weight loads."""
     dtype = _parse_dtype(dtype)
     if name_or_path in TINY_MODEL_NAMES:
         arch = name_or_path.split("-", 1)[1]
         return build_tiny_model(arch, seed=seed, dtype=dtype), build_tiny_tokenizer()
+    source, extra = _model_source(name_or_path)
+    if not extra:  # a .gguf's dequantizing loader has a quantization_config of its own (DESIGN.md)
+        _refuse_prequantized(name_or_path, _local_quantization_config(source))
     tokenizer = load_tokenizer(name_or_path)
-    source, extra = _split_gguf(name_or_path)
     try:
         model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, **extra)
     except _LOAD_ERRORS as err:
         raise _load_error(name_or_path, err) from err
+    if not extra:  # a hub id's config is seen only now
+        _refuse_prequantized(name_or_path, getattr(model.config, "quantization_config", None))
     # transformers' GGUF loader keeps a quantization_config that blocks save_pretrained (DESIGN.md).
     return model.eval(), tokenizer
 

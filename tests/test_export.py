@@ -4,6 +4,7 @@ checkpoint, the adapter, and the CLI."""
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -318,6 +319,22 @@ def test_adapter_tensors_must_match_the_model(tmp_path, edit, problem):
         load_adapter_into(fresh, tmp_path)
 
 
+def test_adapter_of_another_shape_is_refused_by_a_policy(tmp_path):
+    """An adapter trained on a narrower base, loaded into a policy of the same LoRA settings (and so the
+    same tensor names) was peft's size-mismatch traceback: one ValueError naming the first misfit."""
+    from qerl.model import add_lora
+    from qerl.tiny import build_tiny_model
+
+    model, _ = _trained_lora_policy(dtype="fp32")
+    export_adapter(model, tmp_path)
+    wide = add_lora(build_tiny_model("qwen2", hidden_size=96, intermediate_size=192),
+                    LoraSettings(rank=4, alpha=8, trainable_norms=True))
+    with pytest.raises(ValueError, match=rf"^adapter {re.escape(str(tmp_path))} has LoRA for \S+ with \d+ "
+                                         r"(inputs|outputs), the model's linear has \d+: it was trained on another "
+                                         r"base model$"):
+        load_adapter_into(wide, tmp_path)
+
+
 def test_tied_embeddings_and_sharding(tmp_path):
     """A tied lm_head (Qwen2.5-0.5B) is written once (as embed_tokens); large exports shard."""
     model, tok = load_base_model("tiny-qwen2", dtype="bf16", seed=SEED)
@@ -522,3 +539,48 @@ def test_adapter_with_other_trainable_norms_is_refused(tmp_path, saved_norms):
     with pytest.raises(ValueError, match=f"lora.trainable_norms={saved_norms}; the model has trainable_norms={not saved_norms}"):
         load_adapter_into(target, tmp_path / "adapter")
 
+
+
+def test_adapter_trained_on_another_base_warns_or_is_refused(tmp_path, capsys, caplog):
+    """--model other than the base the adapter records: another name of the same model (a local copy)
+    is a warning naming both, for a checkpoint and a peft adapter directory; LoRA tensors that do
+    not fit --model (a wider or deeper base) are one error line, not peft's size-mismatch traceback
+    or a silent export without the extra layers' LoRA."""
+    from lightning_modules.qerl_module import QeRLModule
+    from qerl.export import adapter_from_checkpoint
+    from qerl.tiny import build_tiny_model, build_tiny_tokenizer
+
+    lora = LoraSettings(rank=4, alpha=8)
+    module = QeRLModule(model="tiny-qwen2", quantization="nvfp4", dtype="fp32", lora=lora, seed=SEED)
+    module.model, _ = load_policy("tiny-qwen2", "nvfp4", lora, dtype="fp32", seed=SEED)
+    ckpt = {"state_dict": module.state_dict(), "hyper_parameters": dict(module.hparams)}
+    module.on_save_checkpoint(ckpt)
+    torch.save(ckpt, tmp_path / "last.ckpt")
+    adapter = adapter_from_checkpoint(tmp_path / "last.ckpt", tmp_path / "adapter")  # records tiny-qwen2
+    copy = export_bf16(*load_base_model("tiny-qwen2", dtype="fp32", seed=SEED), tmp_path / "copy")
+
+    for source in (tmp_path / "last.ckpt", adapter):
+        for model, warned in [(str(copy), True), ("tiny-qwen2", False)]:
+            caplog.clear()
+            main(["--model", model, "--adapter", str(source), "--out", str(tmp_path / "out"), "--overwrite"])
+            warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+            assert warnings == ([f"--model {copy}, but --adapter {source} was trained on tiny-qwen2: exporting it "
+                                 "onto --model (are they the same model?)"] if warned else []), warnings
+    caplog.clear()
+    main(["--model", "tiny-llama", "--adapter", str(adapter), "--out", str(tmp_path / "out"), "--overwrite"])
+    assert "was trained on tiny-qwen2" in caplog.text  # a peft directory's record: a warning only
+
+    for name, config, problem in [
+        ("wide", {"hidden_size": 96, "intermediate_size": 192},
+         r"\S+ with \d+ (inputs|outputs), the model's linear has \d+"),
+        ("deep", {"num_layers": 1}, r"model\.layers\.1\.\S+, a linear the model lacks"),
+    ]:
+        other = export_bf16(build_tiny_model("qwen2", **config), build_tiny_tokenizer(), tmp_path / name)
+        for source in (tmp_path / "last.ckpt", adapter):
+            with pytest.raises(SystemExit) as exc:
+                main(["--model", str(other), "--adapter", str(source), "--out", str(tmp_path / "out"), "--overwrite"])
+            assert exc.value.code == 2
+            last = capsys.readouterr().err.strip().splitlines()[-1]
+            where = f"--adapter {re.escape(str(source))} onto --model {re.escape(str(other))}"
+            assert re.search(rf"error: cannot load {where}: the adapter has LoRA for {problem}: it was trained on "
+                             "another base model$", last), last

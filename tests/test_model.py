@@ -293,3 +293,79 @@ def test_nf4_without_bitsandbytes_is_a_module_not_found_error(monkeypatch):
     monkeypatch.setitem(sys.modules, "bitsandbytes", None)
     with pytest.raises(ModuleNotFoundError, match="nf4 needs bitsandbytes"):
         quantize_decoder_linears_nf4(torch.nn.Module())
+
+
+def test_a_prequantized_checkpoint_is_refused_before_its_weights_load(tmp_path, monkeypatch):
+    """qerl.export's own NVFP4 output (compressed-tensors) as the base crashed deep in quantization
+    (``'Linear' object has no attribute 'weight'``): any checkpoint with a ``quantization_config``
+    is one ValueError naming its method, a local folder's before any weight loads, a hub id's
+    (whose config is seen only by from_pretrained) right after."""
+    import json
+    import re
+
+    from transformers import AutoModelForCausalLM
+
+    import qerl.model
+    from qerl.export import export_nvfp4
+
+    out = export_nvfp4(*load_policy("tiny-qwen2", "nvfp4", None, dtype="bf16"), tmp_path / "nvfp4")
+    message = (rf"^cannot load model '{re.escape(str(out))}': it is a {{}} \(pre-quantized\) checkpoint, which "
+               r"cannot be the trained base; use the original model, or a bf16 export of it .*--format bf16\)$")
+    original = (out / "config.json").read_text()
+    with monkeypatch.context() as m:
+        m.setattr(AutoModelForCausalLM, "from_pretrained", lambda *a, **k: pytest.fail("loaded the weights"))
+        for method in ("compressed-tensors", "gptq"):
+            config = json.loads(original)
+            config["quantization_config"]["quant_method"] = method
+            (out / "config.json").write_text(json.dumps(config))
+            for quantization in ("nvfp4", "bf16"):
+                with pytest.raises(ValueError, match=message.format(re.escape(method))):
+                    load_policy(str(out), quantization, None)
+    (out / "config.json").write_text(original)
+    monkeypatch.setattr(qerl.model, "_local_quantization_config", lambda source: None)  # as for a hub id
+    with pytest.raises(ValueError, match=message.format("compressed-tensors")):
+        load_base_model(str(out))
+
+
+def test_misspelled_and_impossible_model_names_fail_without_a_hub_lookup(tmp_path, monkeypatch):
+    """A misspelled tiny model, a path that does not exist or a name that is no hub id went to the
+    hub, which retries for most of a minute offline: they fail at once; hub ids (``owner/name``, and
+    legacy single-segment ones such as ``gpt2``) still go there, and ``~`` is expanded."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from qerl.model import load_tokenizer
+
+    class HubLookup(Exception):
+        pass
+
+    def from_pretrained(source, **kwargs):
+        raise HubLookup(source)
+
+    monkeypatch.setattr(AutoTokenizer, "from_pretrained", from_pretrained)
+    monkeypatch.setattr(AutoModelForCausalLM, "from_pretrained", from_pretrained)
+    cases = {
+        "tiny-qwen": r"^unknown built-in model 'tiny-qwen': did you mean 'tiny-qwen2'\? "
+                     r"\(built-in: tiny-qwen2, tiny-llama\)$",
+        "tiny-lama": r"did you mean 'tiny-llama'\?",
+        "tiny-gpt": r"^unknown built-in model 'tiny-gpt' \(built-in: tiny-qwen2, tiny-llama\)$",
+        "qwen2.5-7b": r"^cannot load model 'qwen2.5-7b': no such local file or directory, and not a Hugging Face "
+                      r"id \(owner/name",
+        "Qwen2.5-7B-Instruct": "and not a Hugging Face id",
+        "models/qwen/7b": "and not a Hugging Face id",
+        str(tmp_path / "no-such-model"): "no such file or directory$",
+        "./no-such-model": "^cannot load model './no-such-model': no such file or directory$",
+        "~/no-such-model": "no such file or directory$",
+    }
+    for name, message in cases.items():
+        for load in (load_tokenizer, load_base_model):
+            with pytest.raises(ValueError, match=message):
+                load(name)
+    for hub_id in ("Qwen/Qwen2.5-7B-Instruct", "gpt2", "bert-base-uncased"):
+        for load in (load_tokenizer, load_base_model):
+            with pytest.raises(HubLookup):
+                load(hub_id)
+    (tmp_path / "models" / "m").mkdir(parents=True)
+    monkeypatch.setenv("HOME", str(tmp_path))
+    with pytest.raises(HubLookup) as found:
+        load_tokenizer("~/models/m")
+    assert found.value.args[0] == str(tmp_path / "models" / "m")
