@@ -118,8 +118,11 @@ def cli_entry() -> None:
     try:
         main()
     except SIGTERMException:
-        print("stopped by SIGTERM after a complete rollout batch (saved as `last` where the config saves "
-              "last checkpoints): resume with --ckpt_path last", file=sys.stderr)
+        if os.environ.get("RANK", os.environ.get("LOCAL_RANK", "0")) == "0":  # once, not per DDP rank
+            fit = "fit" in sys.argv[1:2]
+            print("stopped by SIGTERM" + (" after a complete rollout batch (saved as `last` where the config saves "
+                                          "last checkpoints): resume with --ckpt_path last" if fit else ""),
+                  file=sys.stderr)
         sys.exit(143)
     except (ValueError, OSError, ModuleNotFoundError, MisconfigurationException) as err:
         if os.environ.get("QERL_TRACEBACK", "0") == "1":

@@ -26,12 +26,12 @@ class StepCheckpoint(ModelCheckpoint):
     """``ModelCheckpoint`` whose ``{step}`` (file names, ``monitor: step``) is ``trainer.global_step``;
     with ``save_last`` it also saves ``last`` when a SIGTERM stops the fit."""
 
-    def setup(self, trainer, pl_module, stage: str) -> None:
-        super().setup(trainer, pl_module, stage)
-        # a fresh fit into a folder that holds another run's `last`: both runs' files would sit side
-        # by side (last.ckpt, last-v1.ckpt, ...) and `--ckpt_path last` resumes the newest of them
-        earlier = sorted(glob.glob(os.path.join(self.dirpath or "", "last*.ckpt"))) if self.dirpath else []
-        if stage == "fit" and trainer.ckpt_path is None and earlier:
+    def on_train_start(self, trainer, pl_module) -> None:
+        super().on_train_start(trainer, pl_module)
+        # a fresh fit (ckpt_path is known only once the restore ran) into a folder that holds another
+        # run's `last`: both runs' files sit side by side and `--ckpt_path last` resumes the newest
+        earlier = sorted(glob.glob(os.path.join(self.dirpath, "last*.ckpt"))) if self.dirpath else []
+        if trainer.ckpt_path is None and earlier:
             rank_zero_warn(f"{self.dirpath} already holds {', '.join(os.path.basename(p) for p in earlier)} of an earlier "
                            "run: this run's checkpoints go beside them and `--ckpt_path last` picks the newest file; "
                            "resume that run with --ckpt_path last, or give this one its own dirpath")
@@ -40,8 +40,14 @@ class StepCheckpoint(ModelCheckpoint):
         super().on_exception(trainer, pl_module, exception)  # save_on_exception, if asked for
         # Lightning raises SIGTERM's exception between training batches: the state is a whole
         # rollout batch's, worth a resume (another exception may land inside an update)
-        if isinstance(exception, SIGTERMException) and self.save_last and trainer.state.fn == "fit":
-            self._save_last_checkpoint(trainer, self._monitor_candidates(trainer))
+        # (not inside fit's validation: the resumed run would skip that evaluation instead of redoing it)
+        if (isinstance(exception, SIGTERMException) and self.save_last and trainer.state.fn == "fit"
+                and not trainer.validating):
+            save_last, self.save_last = self.save_last, True  # a file of this step, not a link to an older one
+            try:
+                self._save_last_checkpoint(trainer, self._monitor_candidates(trainer))
+            finally:
+                self.save_last = save_last
 
     def _monitor_candidates(self, trainer) -> dict[str, torch.Tensor]:
         candidates = super()._monitor_candidates(trainer)

@@ -74,7 +74,12 @@ class ResumeMixin:
                              "trainable_norms must be those of the run that wrote it")
         if self.model is not None and "optimizer_states" in checkpoint:  # written before the norm scales had their own undecayed group
             flags = decay_flags(self.trainable_parameters())
-            checkpoint["optimizer_states"] = [split_one_group_state(state, flags) for state in checkpoint["optimizer_states"]]
+            before = checkpoint["optimizer_states"]
+            checkpoint["optimizer_states"] = [split_one_group_state(state, flags) for state in before]
+            split = any(len(a["param_groups"]) != len(b["param_groups"]) for a, b in zip(before, checkpoint["optimizer_states"]))
+            if split and self.optim_settings.weight_decay > 0:
+                rank_zero_warn("the checkpoint decayed the trainable norm scales (one AdamW group); from here on "
+                               "they get no weight decay, so the resumed run differs slightly from its straight run")
         differences = hparam_differences(_plain(dict(self.hparams)), _plain(dict(checkpoint.get("hyper_parameters") or {})))
         if differences:  # `last` and a file alike (the CLI no longer swaps in the checkpoint's values)
             rank_zero_warn("the checkpoint was trained with other model settings; the config's are used:\n  "

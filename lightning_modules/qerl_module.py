@@ -271,7 +271,7 @@ class QeRLModule(ResumeMixin, EvaluationMixin, L.LightningModule):
                 if finite:
                     with self._training_noise():  # gradient checkpointing recomputes the forward in here
                         self.manual_backward(loss)
-                    update_loss += float(loss)
+                    update_loss += float(loss.detach())
                     for k, v in metrics.items():
                         update_sums[k] = update_sums.get(k, 0.0) + float(v) * weight
                 elif update > 0:

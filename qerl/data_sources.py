@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
@@ -23,20 +24,24 @@ class BadRow(ValueError):
 _RawRow = tuple[int, str, Any]
 
 
+_INVALID_UTF8 = re.compile("[\udc80-\udcff]")  # what errors="surrogateescape" makes of a bad byte
+
+
 def _read_jsonl(path: Path) -> Iterator[_RawRow]:
     index = 0
-    with open(path, "rb") as f:  # decoded per line: one line of broken UTF-8 is one bad row
-        for lineno, raw in enumerate(f, start=1):
-            if lineno == 1 and raw.startswith(b"\xef\xbb\xbf"):  # a UTF-8 byte order mark
-                raw = raw[3:]
-            if not raw.strip():
+    # undecodable bytes become lone surrogates: one line of broken UTF-8 is one bad row, not the file
+    with open(path, encoding="utf-8-sig", errors="surrogateescape") as f:
+        for lineno, line in enumerate(f, start=1):
+            if not line.strip():
                 continue
-            try:
-                row: Any = json.loads(raw.decode("utf-8"))
-            except UnicodeDecodeError as e:
-                row = BadRow(f"invalid UTF-8 (byte {e.object[e.start]:#04x} at column {e.start + 1})")
-            except json.JSONDecodeError as e:
-                row = BadRow(f"invalid JSON ({e.msg} at column {e.colno})")
+            row: Any
+            if bad := _INVALID_UTF8.search(line):
+                row = BadRow(f"invalid UTF-8 (byte {ord(bad.group()) - 0xDC00:#04x} at column {bad.start() + 1})")
+            else:
+                try:
+                    row = json.loads(line)
+                except json.JSONDecodeError as e:
+                    row = BadRow(f"invalid JSON ({e.msg} at column {e.colno})")
             yield index, f"{path}:{lineno}", row
             index += 1
 

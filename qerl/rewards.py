@@ -260,8 +260,14 @@ _TEXT_RE = re.compile(r"\\(?:text|textrm|textbf|mbox|mathrm)\s*\{([^{}]*)\}")
 # A whole `\text{}`-unwrapped box that is one number, optionally followed by unit words.
 _NUMBER_UNITS_RE = re.compile(r"\s*(\\?\$?\s*[-+]?(?:\d[\d,]*(?:\.\d+)?|\.\d+))(?:\s+[A-Za-z][A-Za-z\s.]*)?")
 # A box without LaTeX: one number, then words whose first has 3+ letters (`18 dollars`, `5 USD`;
-# not `3 x`, `2 pi`, which are algebra).
-_BARE_NUMBER_UNITS_RE = re.compile(r"\s*([-+]?(?:\d[\d,]*(?:\.\d+)?|\.\d+))\s+[A-Za-z]{3,}[A-Za-z\s.]*")
+# not `3 x`, `2 pi`, which are algebra) and none of which is maths or a magnitude (`2 sin x`,
+# `4 factorial`, `3 million`, `5 less than x` are other answers than the number).
+_BARE_NUMBER_UNITS_RE = re.compile(r"\s*([-+]?(?:\d[\d,]*(?:\.\d+)?|\.\d+))\s+([A-Za-z]{3,}[A-Za-z\s.]*)")
+_NOT_UNITS = frozenset(
+    "sin cos tan cot sec csc sinh cosh tanh arcsin arccos arctan log ln exp sqrt root roots factorial squared "
+    "cubed power powers times plus minus over divided and or less more than fewer greater smaller hundred "
+    "hundreds thousand thousands million millions billion billions trillion dozen dozens percent half halves "
+    "third thirds quarter quarters pi".split())
 
 
 def _text_number(boxed: str) -> str | None:
@@ -269,7 +275,9 @@ def _text_number(boxed: str) -> str | None:
     unwrapped, is one number plus unit words; None for anything else (``\\text{Evelyn}``, ``2 and 3``)."""
     if "\\" not in boxed:
         m = _BARE_NUMBER_UNITS_RE.fullmatch(boxed)
-        return m.group(1) if m else None
+        if m is None or any(w.lower() in _NOT_UNITS for w in re.findall(r"[A-Za-z]+", m.group(2))):
+            return None
+        return m.group(1)
     unwrapped = _TEXT_RE.sub(r"\1", boxed)
     if unwrapped == boxed:
         return None

@@ -137,7 +137,8 @@ def test_trainable_norms_resume_from_a_one_group_checkpoint_matches_straight_run
     ckpt["optimizer_states"] = [{"state": {i: state["state"][order.index(i)] for i in range(len(flags))},
                                  "param_groups": [{**group, "params": list(range(len(flags)))}]}]
     torch.save(ckpt, path)
-    resumed = main(["fit", *fast_args(tmp_path / "b", 4, [*extra, "--ckpt_path", "last"], schedule="constant")])
+    with pytest.warns(UserWarning, match="decayed the trainable norm scales"):
+        resumed = main(["fit", *fast_args(tmp_path / "b", 4, [*extra, "--ckpt_path", "last"], schedule="constant")])
     want = {n: p for n, p in straight.model.model.named_parameters() if p.requires_grad}
     assert any("layernorm" in n for n in want)
     for n, p in resumed.model.model.named_parameters():

@@ -136,6 +136,9 @@ def test_a_line_of_broken_utf8_is_one_bad_row(tmp_path, caplog):
         ex = load_examples(path)
     assert [e.answer for e in ex] == ["72", "1080"] and ex.num_skipped == 1
     assert f"{path}:2" in caplog.text and "invalid UTF-8 (byte 0xe9 at column 18)" in caplog.text
+    old_mac = tmp_path / "cr.jsonl"  # CR-only line ends (read as lines, as text mode always did)
+    old_mac.write_bytes(good[0] + b"\r" + good[1] + b"\r")
+    assert [e.answer for e in load_examples(old_mac)] == ["72", "1080"]
 
 
 def test_all_rows_bad_is_a_clear_error(tmp_path):

@@ -170,6 +170,7 @@ def test_ddp_dapo_and_batch_std_normalise_over_all_ranks(tmp_path, accelerator, 
         assert torch.tensor(r0).std() != pytest.approx(float(std))  # not vacuous: local std differs
     # top_entropy_quantile: one threshold over both ranks' valid tokens (the same pool on each rank)
     pools = [[row[1:] for row in rank if row[0] == "entropy"] for rank in rows]
+    assert len(pools[0]) == len(pools[1]) == 2, pools  # one per training step on each rank
     for (n0, size0, sum0), (n1, size1, sum1) in zip(*pools):
         assert n0 != n1 and size0 == size1 == n0 + n1 and sum0 == pytest.approx(sum1), pools
 

@@ -34,6 +34,11 @@ def test_a_fresh_fit_into_a_folder_with_an_earlier_last_warns_and_keeps_every_st
     with pytest.warns(UserWarning, match="already holds last.ckpt of an earlier run"):
         main(["fit", *fast_args(tmp_path, 1)])
     assert (tmp_path / "ckpt" / "last-v1.ckpt").exists() and (tmp_path / "ckpt" / "epoch=0-step=3.ckpt").exists()
+    import warnings
+    with warnings.catch_warnings(record=True) as record:  # a resume is no "earlier run"
+        warnings.simplefilter("always")
+        main(["fit", *fast_args(tmp_path, 4, ["--ckpt_path", str(tmp_path / "ckpt" / "epoch=0-step=3.ckpt")])])
+    assert not [w for w in record if "already holds" in str(w.message)]
 
 
 def test_resume_from_a_file_runs_the_config_lr_and_max_steps(tmp_path, monkeypatch):
@@ -156,6 +161,19 @@ def test_sigterm_stops_after_the_batch_and_saves_last(tmp_path, monkeypatch):
     with pytest.raises(SIGTERMException):
         cli.trainer.fit(cli.model, datamodule=cli.datamodule)
     assert torch.load(tmp_path / "ckpt" / "last.ckpt", weights_only=False)["global_step"] == 2
+
+    # inside fit's validation: nothing saved (a resume from the earlier checkpoint redoes that evaluation)
+    class TermInValidation(L.Callback):
+        def on_validation_batch_end(self, trainer, *args):
+            if not trainer.sanity_checking:
+                os.kill(os.getpid(), signal.SIGTERM)
+
+    cli = main(fast_args(tmp_path / "val", 6, ["--trainer.val_check_interval=2"]), run=False)
+    cli.trainer.checkpoint_callback._every_n_train_steps = 100
+    cli.trainer.callbacks.append(TermInValidation())
+    with pytest.raises(SIGTERMException):
+        cli.trainer.fit(cli.model, datamodule=cli.datamodule)
+    assert not (tmp_path / "val" / "ckpt" / "last.ckpt").exists()
 
 
 def test_validate_a_checkpoint_is_labelled_with_its_step(tmp_path, monkeypatch):

@@ -209,6 +209,11 @@ def test_accuracy_text_units_separators_hash_line(acc: MathAccuracy, completion:
         (r"\boxed{19 dollars}", "18"),
         (r"\boxed{3 x}", "3"),  # one-letter (and 2-letter) words are algebra, not units
         (r"\boxed{2 pi}", "2"),
+        (r"\boxed{2 sin x}", "2"),  # maths and magnitude words are not units
+        (r"\boxed{4 factorial}", "4"),
+        (r"\boxed{3 million}", "3"),
+        (r"\boxed{5 less than x}", "5"),
+        (r"\boxed{3 squared}", "3"),
         (GSM8K_DOLLAR_SPANS.replace("#### 6", "#### 7"), "6"),
         (GSM8K_DOLLAR_SPANS.replace("#### 6", "#### 7"), "4"),  # earlier `$4.00` span no longer wins
     ],
