@@ -42,7 +42,7 @@ class ResumeMixin:
         drawn different amounts; every rank runs this hook, so the gather pairs up). And the
         silent-failure streaks (decided over all ranks, so one copy fits every rank): a run resumed
         in the middle of a failure still warns after ``warn_after_steps`` steps in all."""
-        trainable = self._trainable_names()
+        trainable = self._trainable_shapes()
         checkpoint["state_dict"] = {k: v for k, v in checkpoint["state_dict"].items() if k in trainable}
         trainer = self._trainer
         if trainer is not None and trainer.state.fn == "fit" and trainer.validating and self._rng_after_batch is not None:
@@ -61,7 +61,7 @@ class ResumeMixin:
     def on_load_checkpoint(self, checkpoint: dict) -> None:
         # strict_loading is off (the frozen base is not in the file): check the trainable tensors by
         # hand, or a checkpoint of another model or LoRA layout would load nothing and run the base
-        shapes = {n: tuple(p.shape) for n, p in self.named_parameters() if p.requires_grad}
+        shapes = self._trainable_shapes()
         state = checkpoint.get("state_dict", {})
         saved = set(state)
         resized = sorted(n for n in saved & set(shapes) if tuple(state[n].shape) != shapes[n])
@@ -104,9 +104,9 @@ class ResumeMixin:
         if self.trainer.state.fn == "fit" and not self.trainer.sanity_checking and self._rng_after_batch is not None:
             set_global_rng_state(self._rng_after_batch)
 
-    def _trainable_names(self) -> set[str]:
-        """State-dict keys of the tensors a checkpoint holds: LoRA and any trainable norms."""
-        return {n for n, p in self.named_parameters() if p.requires_grad}
+    def _trainable_shapes(self) -> dict[str, tuple[int, ...]]:
+        """State-dict key -> shape of the tensors a checkpoint holds: LoRA and any trainable norms."""
+        return {n: tuple(p.shape) for n, p in self.named_parameters() if p.requires_grad}
 
     def _world_size(self) -> int:
         trainer = self._trainer

@@ -144,12 +144,17 @@ def decay_flags(params: list) -> list[bool]:
     return [p.dim() >= 2 for p in params]
 
 
+def _decayed_then_not(items: list, flags: list[bool]) -> tuple[list, list]:
+    """``items`` split by ``flags`` (from :func:`decay_flags`), each part in its order: the layout of
+    the AdamW groups, which the optimizer's state ids follow."""
+    return [x for x, d in zip(items, flags) if d], [x for x, d in zip(items, flags) if not d]
+
+
 def param_groups(params: list, weight_decay: float) -> list[dict]:
     """AdamW groups of the trainable tensors, in order: decayed matrices, then (when there are any)
     the undecayed vectors; ``decay`` marks which is which (kept in checkpoints)."""
-    flags = decay_flags(params)
-    groups = [{"params": [p for p, d in zip(params, flags) if d], "weight_decay": weight_decay, "decay": True}]
-    vectors = [p for p, d in zip(params, flags) if not d]
+    matrices, vectors = _decayed_then_not(params, decay_flags(params))
+    groups = [{"params": matrices, "weight_decay": weight_decay, "decay": True}]
     if vectors:
         groups.append({"params": vectors, "weight_decay": 0.0, "decay": False})
     return groups
@@ -162,13 +167,13 @@ def split_one_group_state(state: dict, flags: list[bool]) -> dict:
         return state
     (group,) = state["param_groups"]
     old = group["params"]  # the ids of the trainable tensors, in order
-    order = [i for i, d in enumerate(flags) if d] + [i for i, d in enumerate(flags) if not d]
-    new_id = {old[i]: new for new, i in enumerate(order)}
-    n = sum(flags)
+    decayed, vectors = _decayed_then_not(list(range(len(flags))), flags)
+    new_id = {old[i]: new for new, i in enumerate(decayed + vectors)}
+    n = len(decayed)
     return {
         "state": {new_id[k]: v for k, v in state["state"].items()},
         "param_groups": [{**group, "params": list(range(n)), "decay": True},
-                         {**group, "params": list(range(n, len(order))), "weight_decay": 0.0, "decay": False}],
+                         {**group, "params": list(range(n, len(flags))), "weight_decay": 0.0, "decay": False}],
     }
 
 
