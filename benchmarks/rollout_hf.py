@@ -40,7 +40,7 @@ SHAPES = {
 }
 
 
-def build(shape: str, quantization: str, device: str):
+def build(shape: str, quantization: str, device: str, lora_compute: str = "model"):
     from transformers import AutoModelForCausalLM, Qwen2Config
 
     config = Qwen2Config(**SHAPES[shape], max_position_embeddings=4096, tie_word_embeddings=False)
@@ -54,7 +54,7 @@ def build(shape: str, quantization: str, device: str):
         quantize_decoder_linears(model, device)
     elif quantization == "nf4":  # QLoRA (bitsandbytes), for benchmarks/train_step.py
         quantize_decoder_linears_nf4(model, device)
-    model = add_lora(model, LoraSettings(rank=32, alpha=32))
+    model = add_lora(model, LoraSettings(rank=32, alpha=32, compute_dtype=lora_compute))
     with torch.no_grad():  # a non-zero adapter, as after a few RL steps
         for n, p in model.named_parameters():
             if "lora_B" in n:

@@ -1,7 +1,7 @@
 """Memory and speed of the three arms -- 16-bit LoRA, QLoRA (NF4) and QeRL (NVFP4) -- side by side.
 
     python benchmarks/train_step.py [--shape 7b|tiny] [--arms bf16,nf4,nvfp4] [--batch 8] [--seq 512]
-        [--gen-batch 8] [--gen-prompt 128] [--gen-new 128] [--out PATH]
+        [--gen-batch 8] [--gen-prompt 128] [--gen-new 128] [--lora-compute model,stored] [--profile] [--out PATH]
 
 A Qwen2.5-7B-shaped model with random weights (std 0.02, as ``benchmarks/rollout_hf.py``), LoRA r32
 on every decoder linear (non-zero B), gradient checkpointing as in the 7B recipes. Per arm, in one
@@ -16,6 +16,11 @@ process, one after another:
   sampling ``gen-new`` tokens for ``gen-batch`` prompts of ``gen-prompt`` tokens (median of 3 calls after a warm-up;
   each call includes its prefill and the CUDA-graph capture).
 
+``--lora-compute``: each arm once per ``LoraSettings.compute_dtype`` given -- ``model`` (the default:
+bf16 matmuls on casts of the fp32 adapter, ``qerl.lora_forward``), ``stored`` (peft's fp32 forward);
+rows get ``vs_bf16`` (against bf16 with the same LoRA arithmetic) and ``vs_stored``. ``--profile``:
+also the CUDA kernel time of one update per category (``torch.profiler``; rows' ``profile``).
+
 ``nf4`` needs bitsandbytes (skipped with a note when it does not import). Prints a table; writes
 benchmarks/results/train_step_h200.json (or --out).
 """
@@ -23,6 +28,7 @@ benchmarks/results/train_step_h200.json (or --out).
 import argparse
 import json
 import os
+import re
 import statistics
 import sys
 import time
@@ -39,9 +45,9 @@ from rollout_hf import SHAPES, build as build_random  # noqa: E402
 GB = 1024 ** 3
 
 
-def build(shape: str, arm: str, device: str):
+def build(shape: str, arm: str, device: str, lora_compute: str):
     """``rollout_hf.build``'s random model (LoRA r32, non-zero B) with gradient checkpointing, as QeRLModule."""
-    model, vocab = build_random(shape, arm, device)
+    model, vocab = build_random(shape, arm, device, lora_compute)
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.enable_input_require_grads()
     return model, vocab
@@ -80,6 +86,48 @@ def train_steps(model, vocab: int, batch: int, seq: int, device: str, steps: int
     return statistics.median(times), peak
 
 
+TRAIN_CATEGORIES = [  # first match wins; kernel names of torch 2.11 / Triton 3.6 on the H200
+    ("nvfp4 dequantize (Triton)", r"^_dequant_kernel"),
+    ("nvfp4 fused (Triton / CUDA)", r"^_fwd_kernel|^_bwd_kernel|nvfp4_skinny|nvfp4_wgmma"),
+    ("nf4 dequantize (bitsandbytes)", r"kDequantize|dequantize"),
+    ("attention", r"flash|fmha|attention|sdpa|softmax_warp"),
+    ("GEMM (linears, LoRA, lm_head)", r"gemm|gemv|cutlass|xmma|cublas|splitK|nvjet|sm90_"),
+    ("reductions (norms, log-softmax, ...)", r"reduce|norm|softmax"),
+    ("elementwise / copies", r"elementwise|vectorized|copy|fill|index|cat|where|unrolled|foreach"),
+]
+
+
+def profile_step(model, vocab: int, batch: int, seq: int, device: str) -> list[dict]:
+    """CUDA kernel time of one update (after ``train_steps``' warm-up) per category, ms."""
+    from torch.profiler import ProfilerActivity, profile
+
+    model.train()
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-5)
+    ids = torch.randint(1, vocab, (batch, seq), generator=torch.Generator().manual_seed(0)).to(device)  # (B, T)
+
+    def update():
+        logp = selective_log_softmax(model(input_ids=ids[:, :-1]).logits, ids[:, 1:])  # (B, T-1)
+        (-logp.mean()).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        sync(device)
+
+    update()                                                                            # AdamW state, allocations
+    activities = [ProfilerActivity.CUDA] if device == "cuda" else [ProfilerActivity.CPU]
+    with profile(activities=activities) as prof:
+        update()
+    per_cat, names = {}, {}
+    for ev in prof.key_averages():
+        t = getattr(ev, "device_time_total", 0.0) if device == "cuda" else ev.self_cpu_time_total
+        if t <= 0:
+            continue
+        cat = next((c for c, pat in TRAIN_CATEGORIES if re.search(pat, ev.key, re.I)), "other")
+        per_cat[cat] = per_cat.get(cat, 0.0) + t / 1e3
+        names.setdefault(cat, []).append((t / 1e3, ev.count, ev.key[:100]))
+    return [{"category": c, "ms": ms, "top_kernels": [{"ms": a, "calls": n, "name": k} for a, n, k in sorted(names[c], reverse=True)[:4]]}
+            for c, ms in sorted(per_cat.items(), key=lambda kv: -kv[1])]
+
+
 def gen_tok_s(model, vocab: int, batch: int, prompt: int, new: int, device: str) -> float:
     model.eval()
     engine = HFEngine(stop_token_ids=[-1], pad_token_id=0, max_batch_size=batch)
@@ -107,14 +155,17 @@ def main():
     ap.add_argument("--gen-batch", type=int, default=8)
     ap.add_argument("--gen-prompt", type=int, default=128)
     ap.add_argument("--gen-new", type=int, default=128)
+    ap.add_argument("--lora-compute", default="model",
+                    help="LoraSettings.compute_dtype values to run each arm with: model (bf16 matmuls), stored (peft's fp32)")
+    ap.add_argument("--profile", action="store_true", help="also: kernel time per category of one update (torch.profiler)")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)),
                                                   "results", "train_step_h200.json"))
     args = ap.parse_args()
     device = "cuda" if torch.cuda.is_available() else "cpu"
     rows = []
-    for arm in args.arms.split(","):
+    for arm, lora_compute in [(a, c) for c in args.lora_compute.split(",") for a in args.arms.split(",")]:
         try:
-            model, vocab = build(args.shape, arm, device)
+            model, vocab = build(args.shape, arm, device, lora_compute)
         except ImportError as e:                       # nf4 without bitsandbytes
             print(f"[train_step] skip {arm}: {e}")
             continue
@@ -122,18 +173,25 @@ def main():
         weights, linears = nbytes["total"] / GB, nbytes["decoder_linears"] / GB
         step_s, peak = train_steps(model, vocab, args.batch, args.seq, device)
         tok_s = gen_tok_s(model, vocab, args.gen_batch, args.gen_prompt, args.gen_new, device)
-        rows.append(dict(arm=arm, weights_gb=weights, decoder_linears_gb=linears, train_step_s=step_s, train_peak_gb=peak, gen_tok_s=tok_s))
-        print(f"{arm:6s} weights {weights:6.2f} GB  update {step_s:7.3f} s  peak {peak:6.2f} GB  "
+        rows.append(dict(arm=arm, lora_compute=lora_compute, weights_gb=weights, decoder_linears_gb=linears, train_step_s=step_s, train_peak_gb=peak, gen_tok_s=tok_s))
+        if args.profile:
+            rows[-1]["profile"] = profile_step(model, vocab, args.batch, args.seq, device)
+            print(f"    kernels in all {sum(r['ms'] for r in rows[-1]['profile']):8.2f} ms per update")
+            for r in rows[-1]["profile"]:
+                print(f"    {r['category']:38s} {r['ms']:8.2f} ms   e.g. {r['top_kernels'][0]['name'][:70]} x{r['top_kernels'][0]['calls']}")
+        print(f"{arm:6s} lora {lora_compute:6s} weights {weights:6.2f} GB  update {step_s:7.3f} s  peak {peak:6.2f} GB  "
               f"generate {tok_s:8.1f} tok/s", flush=True)
         del model
         if device == "cuda":
             torch.cuda.empty_cache()
-    base = next((r for r in rows if r["arm"] == "bf16"), None)
-    if base:
-        for r in rows:
-            r["vs_bf16"] = {k: r[k] / base[k] for k in ("weights_gb", "train_step_s", "train_peak_gb", "gen_tok_s")}
-        print("ratios vs bf16: " + "; ".join(f"{r['arm']}: " + ", ".join(f"{k} {v:.2f}" for k, v in r["vs_bf16"].items())
-                                             for r in rows))
+    keys = ("weights_gb", "train_step_s", "train_peak_gb", "gen_tok_s")
+    for r in rows:           # each arm against bf16 with the same LoRA arithmetic, and model against stored
+        base = next((b for b in rows if b["arm"] == "bf16" and b["lora_compute"] == r["lora_compute"]), None)
+        stored = next((b for b in rows if b["arm"] == r["arm"] and b["lora_compute"] == "stored"), None)
+        for name, ref in (("vs_bf16", base), ("vs_stored", stored)):
+            if ref is not None:
+                r[name] = {k: r[k] / ref[k] for k in keys}
+                print(f"{r['arm']} lora {r['lora_compute']} {name}: " + ", ".join(f"{k} {v:.2f}" for k, v in r[name].items()))
     meta = {"device": torch.cuda.get_device_name() if device == "cuda" else "cpu", "torch": torch.__version__,
             "shape": args.shape, "lora_rank": 32, "batch": args.batch, "seq": args.seq, "gradient_checkpointing": True,
             "gen": {"batch": args.gen_batch, "prompt": args.gen_prompt, "new": args.gen_new}}

@@ -62,9 +62,12 @@ class RolloutCallback(L.Callback):
         max_batch_size: sequences decoded together by the hf engine.
         cuda_graphs: hf engine on CUDA: decode from a static KV cache with the one-token step
             replayed as a CUDA graph (6-11x faster at small batch); false = one eager forward per token.
-        hf_adapter_dtype: hf engine: ``model`` runs the LoRA adapters in the model's dtype while
-            generating (as vLLM does; much faster on a bf16 model); ``stored`` in their trained
-            dtype (fp32), so the sampler's log-probs equal the trainer's (see ``qerl.rollout.hf.HFEngine``).
+        hf_adapter_dtype: hf engine: ``model`` runs the LoRA adapters on copies in the model's
+            dtype while generating (as vLLM does; much faster on a bf16 model), the arithmetic the
+            trainer uses with ``model.lora.compute_dtype: model`` (the default); ``stored`` through
+            the trainer's own forward as it is (with ``compute_dtype: stored``: peft's fp32). Either
+            way the sampler's log-probs equal the trainer's up to kernel rounding, except for
+            ``compute_dtype: stored`` with ``model`` here (see ``qerl.rollout.hf.HFEngine``).
         hf_fused_ops: hf engine on CUDA, while generating: RMSNorm, rotary embedding and SiLU-mul as
             one Triton kernel each (``qerl.rollout.fused_ops``), and q/k/v and gate/up as one linear
             each (``qerl.rollout.fast_linears``); false = transformers' eager ops and linears.

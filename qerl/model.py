@@ -32,6 +32,7 @@ import torch
 import torch.nn as nn
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
+from qerl.lora_forward import compute_in_activation_dtype
 from qerl.nvfp4 import NVFP4WeightTensor, global_scale_for
 from qerl.tiny import TINY_MODEL_NAMES, build_tiny_model, build_tiny_tokenizer
 
@@ -331,6 +332,14 @@ class LoraSettings:
             QeRL scripts do (``--ln True``); they are saved with the adapter and synced to the engine,
             train as fp32 master weights (bf16 would round lr-1e-5 steps away), and are back at their
             base values for the KL reference and adapter-off evaluation (as peft's modules_to_save).
+        compute_dtype: ``model``: on a bf16 / fp16 model the adapters' matmuls run in that dtype on
+            per-call casts of their fp32 weights, which the optimizer keeps updating in fp32 (as bf16
+            autocast trains): two tensor-core GEMMs per linear with the add fused, where peft's fp32
+            path casts every activation to fp32 and adds in fp32 (``qerl.lora_forward``; 7B-shaped
+            update on the H200: see ``benchmarks/results/train_step_h200.json``). ``stored``: peft's
+            fp32 forward. fp32 models compute the same either way. The embedded engine generates
+            with ``RolloutCallback(hf_adapter_dtype: model)`` by default, the same arithmetic as
+            ``model`` here; set both to ``stored`` for an all-fp32 adapter.
     """
 
     rank: int = 32
@@ -338,6 +347,11 @@ class LoraSettings:
     dropout: float = 0.0
     target_modules: list[str] = field(default_factory=lambda: list(DECODER_LINEARS))
     trainable_norms: bool = False
+    compute_dtype: Literal["model", "stored"] = "model"
+
+    def __post_init__(self):
+        if self.compute_dtype not in ("model", "stored"):
+            raise ValueError(f"lora.compute_dtype must be 'model' or 'stored', got {self.compute_dtype!r}")
 
 
 def lora_config(settings: LoraSettings, base_model: str | None = None):
@@ -367,6 +381,8 @@ def add_lora(model: PreTrainedModel, settings: LoraSettings) -> nn.Module:
         # peft reads transformers 5's deprecated `is_gradient_checkpointing`: not ours to act on
         warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated", category=FutureWarning)
         peft_model = get_peft_model(model, config)
+    if settings.compute_dtype == "model":
+        compute_in_activation_dtype(peft_model)
     if settings.trainable_norms:
         base = {}
         for name, p in peft_model.named_parameters():

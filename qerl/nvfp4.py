@@ -114,10 +114,15 @@ def load_kernels():
     return _KERNELS
 
 
+_KERNELS_ON: dict[torch.device, bool] = {}  # device -> kernels usable there (asked once: ~10 us a call)
+
+
 def _use_kernels(x: torch.Tensor) -> bool:
     if not x.is_cuda or _CUDA_BACKEND == "reference":
         return False
-    return load_kernels().is_available(x.device)
+    if x.device not in _KERNELS_ON:
+        _KERNELS_ON[x.device] = load_kernels().is_available(x.device)
+    return _KERNELS_ON[x.device]
 
 
 class NVFP4Linear(torch.autograd.Function):

@@ -16,12 +16,17 @@ def test_train_step_benchmark_tiny(tmp_path):
     out = tmp_path / "ts.json"
     r = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "train_step.py"), "--shape", "tiny",
                         "--arms", ",".join(arms), "--batch", "2", "--seq", "33", "--gen-batch", "2",
-                        "--gen-prompt", "8", "--gen-new", "8", "--out", str(out)],
+                        "--gen-prompt", "8", "--gen-new", "8", "--lora-compute", "model,stored", "--profile",
+                        "--out", str(out)],
                        capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert r.returncode == 0, r.stderr[-3000:]
     res = json.loads(out.read_text())
-    rows = {row["arm"]: row for row in res["rows"]}
-    assert sorted(rows) == sorted(arms)
+    assert sorted((r["arm"], r["lora_compute"]) for r in res["rows"]) == sorted(
+        (a, c) for a in arms for c in ("model", "stored"))
+    for row in res["rows"]:      # the profile: named categories whose times add up to something
+        assert row["profile"] and sum(c["ms"] for c in row["profile"]) > 0
+        assert set(row["vs_stored"]) == {"weights_gb", "train_step_s", "train_peak_gb", "gen_tok_s"}
+    rows = {row["arm"]: row for row in res["rows"] if row["lora_compute"] == "model"}
     for row in rows.values():
         for k in ("weights_gb", "train_step_s", "gen_tok_s"):
             assert math.isfinite(row[k]) and row[k] > 0, (row["arm"], k, row[k])

@@ -14,8 +14,10 @@ from qerl.rollout.hf import HFEngine, _packed_gqa_sdpa, decode_mode, lean_lora_f
 PROMPTS = [[5, 6, 7, 8, 9], [11, 12], [13, 14, 15], [20]]  # different lengths: left padding matters
 
 
-def _policy(attn: str = "sdpa", device: str = "cpu", dtype: str = "fp32", quantization: str = "nvfp4"):
-    model, tok = load_policy("tiny-qwen2", quantization, LoraSettings(rank=4), dtype=dtype, device=device)
+def _policy(attn: str = "sdpa", device: str = "cpu", dtype: str = "fp32", quantization: str = "nvfp4",
+            lora_compute: str = "model"):
+    model, tok = load_policy("tiny-qwen2", quantization, LoraSettings(rank=4, compute_dtype=lora_compute),
+                             dtype=dtype, device=device)
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "lora_B" in name:
@@ -106,8 +108,9 @@ def test_truncated_sampling_returns_the_log_probs_it_sampled_from():
 def test_adapters_run_in_the_model_dtype_while_generating():
     """peft keeps trainable adapters in fp32 on a bf16 model; the engine casts them to bf16 for the
     duration of generate (adapter_dtype='model') or leaves them ('stored'), and always hands the
-    trainer back the same fp32 Parameters, bitwise."""
-    model, tok = _policy(dtype="bf16")
+    trainer back the same fp32 Parameters, bitwise. (A trainer with ``LoraSettings.compute_dtype:
+    stored``: peft's fp32 forward; with the default ``model`` both engine settings compute alike.)"""
+    model, tok = _policy(dtype="bf16", lora_compute="stored")
     lora = {n: p for n, p in model.named_parameters() if "lora_" in n}
     assert lora and {p.dtype for p in lora.values()} == {torch.float32}
     before = {n: (p, p.detach().clone()) for n, p in lora.items()}
@@ -138,6 +141,20 @@ def test_adapters_run_in_the_model_dtype_while_generating():
     assert all(abs(a - b) < 0.05 for a, b in first), first
     with pytest.raises(ValueError, match="adapter_dtype"):
         HFEngine([0], 0, adapter_dtype="fp16")
+
+
+def test_trainer_arithmetic_lora_samples_alike_with_either_adapter_dtype():
+    """With the trainer's LoRA in the model's dtype (``compute_dtype: model``, the default) the
+    engine's cached bf16 copies and the model's own forward are the same arithmetic: the sampler's
+    log-probs agree bitwise."""
+    model, tok = _policy(dtype="bf16")
+    outs = {}
+    for adapter_dtype in ("model", "stored"):
+        engine = HFEngine([tok.eos_token_id], tok.pad_token_id, max_batch_size=8, adapter_dtype=adapter_dtype)
+        engine.sync(model)
+        outs[adapter_dtype] = engine.generate(PROMPTS, 2, SamplingSettings(temperature=1.0, max_new_tokens=6), seed=0)
+    assert outs["model"].completion_ids == outs["stored"].completion_ids
+    assert outs["model"].sampler_logprobs == outs["stored"].sampler_logprobs
 
 
 @pytest.mark.parametrize("quantization", ["nvfp4", "bf16", "nf4"])

@@ -1,7 +1,9 @@
 """The linears of a generating model, made cheap: LoRA in two GEMMs, one launch per shared input.
 
 Two contexts the embedded engine (``qerl.rollout.hf.HFEngine.generate``) enters while generating
-only; training and the reference pass keep peft's and transformers' forwards.
+only; training and the reference pass keep the model's forwards (peft's LoRA, or with
+``LoraSettings.compute_dtype: model`` the same ``plus_lora`` on casts made per call:
+``qerl.lora_forward``).
 
 * ``lean_lora_forward``: each adapted linear runs ``base(x) + (x A^T) (s B)^T`` on copies of its
   adapter in the model's dtype, 2 kernels besides the base instead of peft's 4.
@@ -28,6 +30,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from qerl.lora_forward import plain_adapter, plus_lora
 from qerl.nvfp4 import NVFP4WeightTensor
 
 GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
@@ -44,33 +47,21 @@ def lora_state(module: nn.Module) -> tuple[str, tuple[torch.Tensor, torch.Tensor
         return (NONE, None) if isinstance(module, nn.Linear) else (OTHER, None)
     if module.training or getattr(module, "merged", False) or "forward" in vars(module):
         return OTHER, None
-    if module.disable_adapters:
+    if module.disable_adapters or not any(a in module.lora_A for a in module.active_adapters):
         return NONE, None
-    active = [a for a in module.active_adapters if a in module.lora_A]
-    if not active:
-        return NONE, None
-    name = active[0]
-    if (len(active) != 1 or name in getattr(module, "lora_variant", {})
-            or not isinstance(module.lora_A[name], nn.Linear) or module.lora_B[name].bias is not None):
+    name = plain_adapter(module)
+    if name is None:
         return OTHER, None
     A, B = module.lora_A[name].weight.detach(), module.lora_B[name].weight.detach()
     return LEAN, (A, B * module.scaling[name])
 
 
 # ---------------------------------------------------------------------------- lean LoRA forward
-def _plus_lora(result: torch.Tensor, x: torch.Tensor, A: torch.Tensor, sB: torch.Tensor) -> torch.Tensor:
-    """``result + (x A^T) sB^T`` in two GEMMs, the add fused into cuBLAS' epilogue (``addmm``)."""
-    h = F.linear(x if x.dtype == A.dtype else x.to(A.dtype), A)  # (..., r)
-    flat = torch.addmm(result.reshape(-1, result.shape[-1]), h.reshape(-1, h.shape[-1]).to(result.dtype),
-                       sB.t().to(result.dtype))                  # (.to: no-ops when the dtypes agree)
-    return flat.view(result.shape)
-
-
 def _lean_lora_forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
     """peft's LoRA ``Linear.forward`` in two GEMMs for generation: ``base(x) + (x A^T) (s B)^T``, the
     scaling folded into a copy of B."""
     A, sB = self._qerl_lean                                       # (r, K), (N, r)
-    return _plus_lora(self.base_layer(x, *args, **kwargs), x, A, sB)
+    return plus_lora(self.base_layer(x, *args, **kwargs), x, A, sB)
 
 
 @contextlib.contextmanager
@@ -171,7 +162,7 @@ class _FusedGroup:
         if self._x is not x or i not in self._left:
             y = F.linear(x, self.weight, self.bias)                  # (..., N_total): one kernel launch
             if self.lora is not None:                                # (R, K), (N_total, R) block-diagonal:
-                y = _plus_lora(y, x, *self.lora)                     # one GEMM for all A's, one for all B's
+                y = plus_lora(y, x, *self.lora)                     # one GEMM for all A's, one for all B's
             self._x, self._outs, self._left = x, y.split(self.sizes, dim=-1), set(range(len(self.sizes)))
         out = self._outs[i]
         self._left.discard(i)

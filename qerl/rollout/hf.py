@@ -258,11 +258,14 @@ class HFEngine(RolloutEngine):
             attention); otherwise, and on CPU, one eager forward per token with HF's dynamic cache.
         adapter_dtype: ``model``: while generating, each adapted linear runs on copies of its LoRA
             weights in the model's activation dtype (bf16), as vLLM runs them, as two GEMMs
-            (``lean_lora_forward``: scaling folded into B, the add fused); ``stored``: as trained
-            through peft's forward (peft keeps trainable adapters in fp32 and then casts every
-            activation to fp32 and back around two fp32 GEMVs per adapted linear: 60% of a 7B bf16
-            decode step's kernel time at batch 1, ``benchmarks/profile_hf_decode.py``). ``stored`` makes the sampler's log-probs equal the
-            trainer's up to kernel rounding; ``model`` leaves a bf16-sized gap that the trainer's
+            (``lean_lora_forward``: scaling folded into B, the add fused); ``stored``: through the
+            model's own (training) forward, as it is: with ``LoraSettings.compute_dtype: stored``
+            that is peft's, which keeps trainable adapters in fp32 and casts every activation to
+            fp32 and back around two fp32 GEMVs per adapted linear (60% of a 7B bf16 decode step's
+            kernel time at batch 1, ``benchmarks/profile_hf_decode.py``); with ``compute_dtype:
+            model`` (the default) the same ``plus_lora`` as ``model`` here, on casts made per call.
+            So the sampler's log-probs equal the trainer's up to kernel rounding, except with
+            ``compute_dtype: stored`` and ``model`` here: a bf16-sized gap that the trainer's
             importance-sampling correction sees (``train/is_ratio``).
         fused_ops: on CUDA, while generating, RMSNorm (with AQN noise), the rotary embedding and
             SiLU(gate) * up run as one Triton kernel each (``qerl.rollout.fused_ops``; the rotary
