@@ -63,10 +63,22 @@ def _forward_in_activation_dtype(self, x: torch.Tensor, *args, **kwargs) -> torc
 _CLASSES: dict[type, type] = {}  # peft class -> its subclass with the forward above
 
 
+def _reduce_ex(self, protocol):
+    """Pickle (``torch.save(model)``, spawned workers) as peft's class plus a note to swap it back:
+    the generated class has no importable name of its own."""
+    reduced = object.__reduce_ex__(self, protocol)      # (copyreg.__newobj__, (cls,), state, ...)
+    return (_new_in_activation_dtype, (type(self).__bases__[0],)) + tuple(reduced[2:])
+
+
+def _new_in_activation_dtype(peft_class: type) -> nn.Module:
+    cls = _in_activation_dtype_class(peft_class)
+    return cls.__new__(cls)
+
+
 def _in_activation_dtype_class(cls: type) -> type:
     if cls not in _CLASSES:
         _CLASSES[cls] = type(cls.__name__, (cls,), {
-            "forward": _forward_in_activation_dtype, "__module__": __name__,
+            "forward": _forward_in_activation_dtype, "__reduce_ex__": _reduce_ex, "__module__": __name__,
             "__doc__": f"peft's {cls.__qualname__} with the adapter computed in the activations' dtype."})
     return _CLASSES[cls]
 

@@ -5,7 +5,9 @@ adapters and peft's other cases to peft."""
 
 from __future__ import annotations
 
+import copy
 import importlib.util
+import io
 
 import pytest
 import torch
@@ -104,6 +106,18 @@ def test_nf4_base_layer_runs_under_the_bf16_adapter():
     logits, grads = _loss_and_grads(ours)
     ref_logits, ref_grads = _loss_and_grads(peft)
     assert _rel(logits, ref_logits) < 0.03 and set(grads) == set(ref_grads)
+
+
+def test_swapped_model_pickles_and_deep_copies():
+    """``torch.save(model)`` (and spawned workers) pickle the generated classes by their peft base."""
+    model = _policy("nvfp4", "model")
+    buf = io.BytesIO()
+    torch.save(model, buf)
+    buf.seek(0)
+    for twin in (torch.load(buf, weights_only=False), copy.deepcopy(model)):
+        assert is_swapped(_q_proj(twin)) and type(_q_proj(twin)) is type(_q_proj(model))
+        with torch.no_grad():
+            assert torch.equal(twin(input_ids=IDS).logits, model(input_ids=IDS).logits)
 
 
 def test_unknown_compute_dtype_is_refused():
