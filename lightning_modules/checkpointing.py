@@ -80,7 +80,8 @@ class ResumeMixin:
             if split and self.optim_settings.weight_decay > 0:
                 rank_zero_warn("the checkpoint decayed the trainable norm scales (one AdamW group); from here on "
                                "they get no weight decay, so the resumed run differs slightly from its straight run")
-        differences = hparam_differences(_plain(dict(self.hparams)), _plain(dict(checkpoint.get("hyper_parameters") or {})))
+        saved = _with_older_defaults(_plain(dict(checkpoint.get("hyper_parameters") or {})))
+        differences = hparam_differences(_plain(dict(self.hparams)), saved)
         if differences:  # `last` and a file alike (the CLI no longer swaps in the checkpoint's values)
             rank_zero_warn("the checkpoint was trained with other model settings; the config's are used:\n  "
                            + "\n  ".join(differences))
@@ -122,6 +123,19 @@ class ResumeMixin:
             set_global_rng_state(self._resume_rng)
             self._resume_rng = None
         return batch
+
+
+# Settings added later, with what checkpoints written before them ran: a resume that now runs the
+# new default is warned like any other difference instead of passing silently.
+OLDER_DEFAULTS = {("lora", "compute_dtype"): "stored",       # peft's fp32 LoRA forward (2026-12-01)
+                  ("loss", "group_by_length"): False}         # micro-batches in rollout order
+
+
+def _with_older_defaults(saved: dict) -> dict:
+    for (group, key), value in OLDER_DEFAULTS.items():
+        if isinstance(saved.get(group), dict) and key not in saved[group]:
+            saved[group] = {**saved[group], key: value}
+    return saved
 
 
 def _plain(value):

@@ -12,7 +12,8 @@ bottom:
 3. ``updates_per_rollout`` optimizer steps, each accumulating gradients over micro-batches of the
    clipped surrogate (separate low/high clip), k3 KL, optional entropy bonus, truncated importance
    sampling against the sampler's log-probs, aggregated as grpo / bnpo / dapo / dr_grpo; then
-   clip, step, schedule.
+   clip, step, schedule. Micro-batches hold completions of similar length (``group_by_length``)
+   and every forward is cut to its own rows' extent, so padding costs little compute.
 
 x-axes: every ``train/*`` and ``time/*`` scalar is logged once per rollout batch at
 ``trainer.global_step``, which counts optimizer steps (it grows by ``updates_per_rollout`` per
@@ -171,22 +172,32 @@ class QeRLModule(ResumeMixin, EvaluationMixin, L.LightningModule):
 
     def completion_logprobs(
         self, input_ids: torch.Tensor, attention_mask: torch.Tensor, completion_ids: torch.Tensor,
-        temperature: float, with_entropy: bool = False, entropy_grad: bool = False,
+        temperature: float, with_entropy: bool = False, entropy_grad: bool = False, cut: bool = True,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Log-probs (and entropies) of the completion tokens under log softmax(logits / T).
 
-        input_ids = [left-padded prompt | right-padded completion], (n, P+T); returns (n, T).
+        input_ids = [left-padded prompt | right-padded completion], (n, P+T); returns (n, T), 0 past
+        the rows' last token. The forward runs on these rows' own extent only: the columns where
+        every row is padding (left of the longest prompt, right of the longest completion) are cut,
+        which changes no position (they count from the first real token) and no attention (padding
+        is masked); ``cut=False`` runs the full width (``benchmarks/micro_batching.py``'s baseline).
         The entropy is detached unless ``entropy_grad`` (the entropy bonus)."""
         T = completion_ids.shape[1]
+        P = input_ids.shape[1] - T
+        used = attention_mask.any(0).nonzero() if cut else torch.tensor([0, P + T - 1])  # columns some row uses
+        start = min(int(used[0]) if used.numel() else P - 1, P - 1)  # keep the logit of the first completion token
+        T_used = max(int(used[-1]) - P + 1 if used.numel() else 0, 1)
+        input_ids, attention_mask = input_ids[:, start: P + T_used], attention_mask[:, start: P + T_used]
         position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)  # same rule as the HF engine
         out = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                         use_cache=False, logits_to_keep=T + 1)
-        logits = out.logits[:, :-1]  # (n, T, V), the model's dtype: the temperature divides in fp32 below
+                         use_cache=False, logits_to_keep=T_used + 1)
+        logits = out.logits[:, :-1]  # (n, T_used, V), the model's dtype: the temperature divides in fp32 below
         tau = temperature if temperature > 0 else 1.0
-        logprobs = selective_log_softmax(logits, completion_ids, temperature=tau)  # (n, T) fp32
+        pad = lambda values: torch.nn.functional.pad(values, (0, T - T_used))  # noqa: E731  (n, T_used) -> (n, T)
+        logprobs = pad(selective_log_softmax(logits, completion_ids[:, :T_used], temperature=tau))  # (n, T) fp32
         entropy = None
         if with_entropy or entropy_grad:
-            entropy = entropy_from_logits(logits if entropy_grad else logits.detach(), temperature=tau)  # (n, T)
+            entropy = pad(entropy_from_logits(logits if entropy_grad else logits.detach(), temperature=tau))  # (n, T)
         return logprobs, entropy
 
     # ---------------------------------------------------------------- the step
@@ -209,9 +220,14 @@ class QeRLModule(ResumeMixin, EvaluationMixin, L.LightningModule):
         everyone = self.all_gather(rollout.rewards) if s.advantage_scale == "batch" and self._world_size() > 1 else None
         advantages = group_advantages(rollout.rewards, rollout.group_size, s.advantage_scale,
                                       batch_rewards=everyone)  # (N,)
+        completion_ids, sampler_logprobs = rollout.completion_ids, rollout.sampler_logprobs  # (N, T) each
+        if s.group_by_length:  # rows of similar length share a micro-batch (each one is cut to its rows)
+            rows = torch.argsort(rollout.completion_mask.sum(-1), stable=True)  # (N,)
+            input_ids, attention_mask, completion_ids = input_ids[rows], attention_mask[rows], completion_ids[rows]
+            loss_mask, advantages, sampler_logprobs = loss_mask[rows], advantages[rows], sampler_logprobs[rows]
         micro_batches = [slice(i, min(i + s.micro_batch_size, N)) for i in range(0, N, s.micro_batch_size)]
         lp = lambda mb, **kw: self.completion_logprobs(  # noqa: E731
-            input_ids[mb], attention_mask[mb], rollout.completion_ids[mb], rollout.temperature, **kw)
+            input_ids[mb], attention_mask[mb], completion_ids[mb], rollout.temperature, **kw)
 
         # 2. no-grad passes
         old_logprobs = ref_logprobs = high_entropy = pre_entropy = None
@@ -251,7 +267,7 @@ class QeRLModule(ResumeMixin, EvaluationMixin, L.LightningModule):
                 old = old_logprobs[mb] if old_logprobs is not None else logprobs.detach()
                 is_weights = None
                 if s.tis_cap is not None:
-                    is_weights = truncated_is_weights(old, rollout.sampler_logprobs[mb], loss_mask[mb],
+                    is_weights = truncated_is_weights(old, sampler_logprobs[mb], loss_mask[mb],
                                                       level=s.tis_level, mode=s.tis_mode, cap=s.tis_cap)
                 if high_entropy is not None:  # the surrogate on those tokens only (a 0/1 token weight)
                     keep = high_entropy[mb].to(logprobs.dtype)
@@ -280,7 +296,7 @@ class QeRLModule(ResumeMixin, EvaluationMixin, L.LightningModule):
                     # the pre-update entropy: the no-grad pass's when there was one (same weights, same noise)
                     logged_entropy = pre_entropy[mb] if pre_entropy is not None else entropy.detach()
                     pre["entropy"] += float(masked_mean(logged_entropy, loss_mask[mb])) * weight
-                    raw_ratio = torch.exp((old - rollout.sampler_logprobs[mb]).clamp(max=20))
+                    raw_ratio = torch.exp((old - sampler_logprobs[mb]).clamp(max=20))
                     pre["is_ratio"] += float(masked_mean(raw_ratio, loss_mask[mb])) * weight
                     pre["weight"] += weight
             grad_norm = torch.nn.utils.clip_grad_norm_(self.trainable_parameters(), self.optim_settings.max_grad_norm)

@@ -29,6 +29,11 @@ class LossSettings:
             it, which keeps an fp32 (tokens x vocab) softmax per micro-batch alive for backward.
         updates_per_rollout: optimizer steps per rollout batch (QeRL GSM8K: 4; BigMath: 1).
         micro_batch_size: completions per forward/backward (gradient accumulation inside an update).
+        group_by_length: fill micro-batches with completions of similar length (sorted, stable), so
+            that each forward, cut to its own micro-batch's longest prompt and completion, computes
+            little padding; grpo / dapo / dr_grpo updates are the same either way (up to rounding),
+            bnpo's token mean per micro-batch follows the micro-batches' new make-up. false: in
+            rollout order (each micro-batch is still cut to its own longest rows).
         tis_level: importance weights per token or per sequence (trainer vs sampler log-probs).
         tis_mode: truncate (TIS: min(w, cap)) or mask (MIS: drop tokens with w > cap).
         tis_cap: the cap; null disables importance-sampling correction.
@@ -49,6 +54,7 @@ class LossSettings:
     entropy_coef: float = 0.0
     updates_per_rollout: int = 1
     micro_batch_size: int = 8
+    group_by_length: bool = True
     tis_level: Literal["token", "sequence"] = "token"
     tis_mode: Literal["truncate", "mask"] = "truncate"
     tis_cap: float | None = 2.0

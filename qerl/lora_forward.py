@@ -50,11 +50,11 @@ def plain_adapter(module: nn.Module) -> str | None:
     return name
 
 
-def _forward_in_activation_dtype(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+def _forward_in_activation_dtype(self, x: torch.Tensor, *args, peft_forward, **kwargs) -> torch.Tensor:
     """peft's LoRA ``forward`` with the adapter's matmuls in ``x.dtype`` (see the module docstring)."""
     name = None if (args or kwargs) else plain_adapter(self)
     if name is None or x.dtype == self.lora_A[name].weight.dtype:
-        return super(type(self), self).forward(x, *args, **kwargs)
+        return peft_forward(self, x, *args, **kwargs)
     A = self.lora_A[name].weight.to(x.dtype)                              # (r, K)
     sB = (self.lora_B[name].weight * self.scaling[name]).to(x.dtype)      # (N, r), scaling folded in
     return plus_lora(self.base_layer(x), self.lora_dropout[name](x), A, sB)
@@ -63,28 +63,35 @@ def _forward_in_activation_dtype(self, x: torch.Tensor, *args, **kwargs) -> torc
 _CLASSES: dict[type, type] = {}  # peft class -> its subclass with the forward above
 
 
-def _reduce_ex(self, protocol):
-    """Pickle (``torch.save(model)``, spawned workers) as peft's class plus a note to swap it back:
-    the generated class has no importable name of its own."""
-    reduced = object.__reduce_ex__(self, protocol)      # (copyreg.__newobj__, (cls,), state, ...)
-    return (_new_in_activation_dtype, (type(self).__bases__[0],)) + tuple(reduced[2:])
-
-
 def _new_in_activation_dtype(peft_class: type) -> nn.Module:
     cls = _in_activation_dtype_class(peft_class)
     return cls.__new__(cls)
 
 
 def _in_activation_dtype_class(cls: type) -> type:
+    """The subclass of peft's ``cls`` with the forward above. Both methods hold ``cls`` itself (not
+    ``type(self)``), so a further subclass -- FSDP2 and parametrizations make one -- still reaches
+    peft's forward and pickles by peft's class."""
     if cls not in _CLASSES:
+        peft_forward = cls.forward
+
+        def forward(self, x, *args, **kwargs):
+            return _forward_in_activation_dtype(self, x, *args, peft_forward=peft_forward, **kwargs)
+
+        def __reduce_ex__(self, protocol):
+            """Pickle (``torch.save(model)``, spawned workers) as peft's class plus a note to swap
+            it back: the generated class has no importable name of its own."""
+            reduced = object.__reduce_ex__(self, protocol)      # (copyreg.__newobj__, (cls,), state, ...)
+            return (_new_in_activation_dtype, (cls,)) + tuple(reduced[2:])
+
         _CLASSES[cls] = type(cls.__name__, (cls,), {
-            "forward": _forward_in_activation_dtype, "__reduce_ex__": _reduce_ex, "__module__": __name__,
+            "forward": forward, "__reduce_ex__": __reduce_ex__, "__module__": __name__,
             "__doc__": f"peft's {cls.__qualname__} with the adapter computed in the activations' dtype."})
     return _CLASSES[cls]
 
 
 def is_swapped(module: nn.Module) -> bool:
-    return type(module) in _CLASSES.values()
+    return isinstance(module, tuple(_CLASSES.values()))
 
 
 def compute_in_activation_dtype(model: nn.Module) -> int:

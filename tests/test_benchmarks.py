@@ -84,3 +84,18 @@ def test_decode_layout_search_finds_partitions_when_they_exist():
     split = (0, 1, 2, 9, 16, 17, 18, 25)  # M moved down by 6: still no partition
     assert exact_cover(32, funnel_windows(1, split)) is None
     assert exact_cover(32, funnel_windows(1, M)) is None and exact_cover(64, funnel_windows(2, M)) is None
+
+
+def test_micro_batching_benchmark_tiny(tmp_path):
+    """The three micro-batch layouts run and compute ever fewer positions: padded >= cut >= grouped."""
+    out = tmp_path / "mb.json"
+    r = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "micro_batching.py"), "--shape", "tiny",
+                        "--quantization", "nvfp4", "--n", "8", "--prompt", "8", "--new", "16", "--micro", "3",
+                        "--mean", "8", "--std", "5", "--out", str(out)], capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert r.returncode == 0, r.stderr[-3000:]
+    rows = {row["mode"]: row for row in json.loads(out.read_text())["rows"]}
+    assert list(rows) == ["padded", "cut", "grouped"]
+    assert rows["padded"]["tokens"] == 8 * (8 + 16)
+    assert rows["padded"]["tokens"] >= rows["cut"]["tokens"] >= rows["grouped"]["tokens"]
+    assert rows["grouped"]["tokens"] < rows["padded"]["tokens"]
+    assert all(math.isfinite(row["seconds"]) and row["seconds"] > 0 for row in rows.values())

@@ -97,6 +97,9 @@ def test_dropout_applies_to_the_adapter_input_in_training_only():
         train_a, train_b = q(x), q(x)
     assert torch.equal(eval_a, eval_b) and not torch.equal(train_a, train_b)
     assert not torch.equal(train_a, eval_a)
+    with torch.no_grad():                              # the base linear sees the undropped input
+        q.lora_B["default"].weight.zero_()
+        assert torch.equal(q(x), q.base_layer(x))
 
 
 @pytest.mark.skipif(importlib.util.find_spec("bitsandbytes") is None, reason="nf4 needs bitsandbytes")
@@ -118,6 +121,35 @@ def test_swapped_model_pickles_and_deep_copies():
         assert is_swapped(_q_proj(twin)) and type(_q_proj(twin)) is type(_q_proj(model))
         with torch.no_grad():
             assert torch.equal(twin(input_ids=IDS).logits, model(input_ids=IDS).logits)
+
+
+def test_a_further_subclass_still_reaches_peft():
+    """FSDP2 and parametrizations subclass a module's class again: the fallbacks must still reach
+    peft's forward (not recurse) and pickling must still name peft's class."""
+    model = _policy("nvfp4", "model")
+    q = _q_proj(model)
+    q.__class__ = type("Wrapped" + type(q).__name__, (type(q),), {})
+    x = torch.randn(3, q.in_features, dtype=torch.bfloat16, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert torch.equal(q(x), _q_proj(_policy("nvfp4", "model"))(x))          # the bf16 path
+        with model.disable_adapter():
+            assert torch.equal(q(x), q.base_layer(x))                            # peft's, no recursion
+    assert is_swapped(q) and is_swapped(copy.deepcopy(q))
+
+
+def test_older_checkpoints_count_as_fp32_lora_and_rollout_order():
+    """A checkpoint written before ``compute_dtype`` / ``group_by_length`` existed ran peft's fp32 LoRA
+    in rollout-order micro-batches: resuming it with the new defaults is warned like any change."""
+    from lightning_modules.checkpointing import _with_older_defaults
+    from lightning_modules.settings import hparam_differences
+
+    config = {"lora": {"rank": 8, "compute_dtype": "model"}, "loss": {"kl_coef": 0.0, "group_by_length": True}}
+    old = {"lora": {"rank": 8}, "loss": {"kl_coef": 0.0}}
+    assert hparam_differences(config, _with_older_defaults(old)) == [
+        "model.lora.compute_dtype: 'model' (config) vs 'stored' (checkpoint)",
+        "model.loss.group_by_length: True (config) vs False (checkpoint)"]
+    assert hparam_differences(config, _with_older_defaults({"lora": {"rank": 8, "compute_dtype": "model"},
+                                                            "loss": {"kl_coef": 0.0, "group_by_length": True}})) == []
 
 
 def test_unknown_compute_dtype_is_refused():

@@ -194,15 +194,41 @@ def test_update_does_not_depend_on_micro_batch_size(policy, mismatched, tmp_path
         assert split.logged[key] == pytest.approx(value, rel=1e-5, abs=1e-7), key
 
 
+@pytest.mark.parametrize("aggregation", ["grpo", "dapo", "dr_grpo"])
+def test_length_grouped_micro_batches_give_the_same_update(policy, mismatched, tmp_path, aggregation, monkeypatch):
+    """``group_by_length`` sorts the rows by completion length before cutting micro-batches of 3 (the
+    lengths 6 2 5 1 | 6 3 4 1 become 1 1 2 | 3 4 5 | 6 6), and every forward runs on its
+    micro-batch's own extent: narrower forwards, the same update and scalars."""
+    widths = []
+    forward = QeRLModule.completion_logprobs
+
+    def spy(self, input_ids, attention_mask, completion_ids, *args, **kwargs):
+        used = attention_mask.any(0).nonzero()
+        widths.append(int(used[-1]) + 1 - P)          # the completion columns this forward needs
+        return forward(self, input_ids, attention_mask, completion_ids, *args, **kwargs)
+
+    monkeypatch.setattr(QeRLModule, "completion_logprobs", spy)
+    in_order = fit(policy, mismatched, tmp_path / "order", micro_batch_size=3, aggregation=aggregation,
+                   **dict(INVARIANCE, group_by_length=False))
+    order_widths, widths[:] = widths[:], []
+    grouped = fit(policy, mismatched, tmp_path / "grouped", micro_batch_size=3, aggregation=aggregation, **INVARIANCE)
+    # per pass over the 3 micro-batches: in rollout order 6, 6, 4 completion columns; grouped 2, 5, 6
+    assert order_widths[:3] == [6, 6, 4] and widths[:3] == [2, 5, 6], (order_widths[:3], widths[:3])
+    assert_same_update(in_order, grouped, f"{aggregation}, grouped by length")
+    for key, value in in_order.logged.items():
+        assert grouped.logged[key] == pytest.approx(value, rel=1e-5, abs=1e-7), key
+
+
 def test_bnpo_is_a_token_mean_per_micro_batch(policy, mismatched, tmp_path):
     """bnpo's docstring: the loss of a micro-batch is its own token mean, averaged over micro-batches.
     So it equals dapo's whole-batch token mean with one micro-batch, and with micro-batches of equal
     token counts (8 + 8: every token weighs 1 / (2 * 8) = 1 / 16, as in the whole-batch mean), but
     not with unequal ones (7 + 4 + 6: a token of the 4-token micro-batch weighs 1 / (3 * 4), not 1 / 17)."""
-    whole = fit(policy, mismatched, tmp_path / "mb8", micro_batch_size=8, aggregation="bnpo", **INVARIANCE)
-    dapo = fit(policy, mismatched, tmp_path / "dapo", micro_batch_size=8, aggregation="dapo", **INVARIANCE)
-    equal = fit(policy, mismatched, tmp_path / "mb4", micro_batch_size=4, aggregation="bnpo", **INVARIANCE)
-    unequal = fit(policy, mismatched, tmp_path / "mb3", micro_batch_size=3, aggregation="bnpo", **INVARIANCE)
+    in_order = dict(INVARIANCE, group_by_length=False)   # the micro-batches' make-up as described
+    whole = fit(policy, mismatched, tmp_path / "mb8", micro_batch_size=8, aggregation="bnpo", **in_order)
+    dapo = fit(policy, mismatched, tmp_path / "dapo", micro_batch_size=8, aggregation="dapo", **in_order)
+    equal = fit(policy, mismatched, tmp_path / "mb4", micro_batch_size=4, aggregation="bnpo", **in_order)
+    unequal = fit(policy, mismatched, tmp_path / "mb3", micro_batch_size=3, aggregation="bnpo", **in_order)
 
     assert_same_update(whole, dapo, "bnpo == dapo with one micro-batch")
     assert_same_update(whole, equal, "bnpo, micro-batches of equal token counts")
