@@ -54,9 +54,9 @@ def one_update(module, input_ids, attention_mask, completion_ids, completion_mas
         mb = rows[i: i + micro]
         logprobs, _ = module.completion_logprobs(input_ids[mb], attention_mask[mb], completion_ids[mb], 1.0, cut=cut)
         (-(logprobs * completion_mask[mb]).sum() / count).backward()                          # a dapo-like token mean
-        if cut:
+        if cut:      # completion_logprobs' window: from the first used column (<= P - 1) to >= 1 completion column
             used = attention_mask[mb].any(0).nonzero()
-            tokens += len(mb) * (int(used[-1]) + 1 - min(int(used[0]), P - 1))
+            tokens += len(mb) * (max(int(used[-1]) + 1, P + 1) - min(int(used[0]), P - 1))
         else:
             tokens += len(mb) * input_ids.shape[1]
     return tokens

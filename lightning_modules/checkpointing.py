@@ -52,6 +52,8 @@ class ResumeMixin:
         else:
             checkpoint["qerl_rng"] = global_rng_state()
         checkpoint["qerl_streaks"] = dict(self._streaks)
+        # the settings that ran, resolved (hyper_parameters hold None for a section the config left out)
+        checkpoint["qerl_settings"] = {"lora": _plain(self.lora_settings), "loss": _plain(self.loss_settings)}
         checkpoint["qerl_max_steps"] = self._trainer.max_steps if self._trainer is not None else None
         if self._world_size() > 1:
             states = [None] * self._world_size()
@@ -80,8 +82,14 @@ class ResumeMixin:
             if split and self.optim_settings.weight_decay > 0:
                 rank_zero_warn("the checkpoint decayed the trainable norm scales (one AdamW group); from here on "
                                "they get no weight decay, so the resumed run differs slightly from its straight run")
-        saved = _with_older_defaults(_plain(dict(checkpoint.get("hyper_parameters") or {})))
-        differences = hparam_differences(_plain(dict(self.hparams)), saved)
+        saved = _plain(dict(checkpoint.get("hyper_parameters") or {}))
+        if "qerl_settings" in checkpoint:
+            saved.update(checkpoint["qerl_settings"])
+        else:  # written before the resolved settings were saved: what ran then
+            saved = _with_older_defaults(saved)
+        # the settings that run (a config without a `lora:` / `loss:` section holds None there)
+        config = {**_plain(dict(self.hparams)), "lora": _plain(self.lora_settings), "loss": _plain(self.loss_settings)}
+        differences = hparam_differences(config, saved)
         if differences:  # `last` and a file alike (the CLI no longer swaps in the checkpoint's values)
             rank_zero_warn("the checkpoint was trained with other model settings; the config's are used:\n  "
                            + "\n  ".join(differences))
@@ -125,14 +133,16 @@ class ResumeMixin:
         return batch
 
 
-# Settings added later, with what checkpoints written before them ran: a resume that now runs the
-# new default is warned like any other difference instead of passing silently.
+# Settings added later, with what checkpoints written before them (and before ``qerl_settings``)
+# ran: a resume that now runs the new default is warned like any other difference.
 OLDER_DEFAULTS = {("lora", "compute_dtype"): "stored",       # peft's fp32 LoRA forward (2026-12-01)
                   ("loss", "group_by_length"): False}         # micro-batches in rollout order
 
 
 def _with_older_defaults(saved: dict) -> dict:
     for (group, key), value in OLDER_DEFAULTS.items():
+        if group in saved and saved[group] is None:      # that section was not in the config: defaults ran
+            saved[group] = {}
         if isinstance(saved.get(group), dict) and key not in saved[group]:
             saved[group] = {**saved[group], key: value}
     return saved

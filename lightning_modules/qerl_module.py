@@ -221,7 +221,7 @@ class QeRLModule(ResumeMixin, EvaluationMixin, L.LightningModule):
         advantages = group_advantages(rollout.rewards, rollout.group_size, s.advantage_scale,
                                       batch_rewards=everyone)  # (N,)
         completion_ids, sampler_logprobs = rollout.completion_ids, rollout.sampler_logprobs  # (N, T) each
-        if s.group_by_length:  # rows of similar length share a micro-batch (each one is cut to its rows)
+        if s.group_by_length and s.aggregation != "bnpo":  # similar lengths share a micro-batch (cut to its rows)
             rows = torch.argsort(rollout.completion_mask.sum(-1), stable=True)  # (N,)
             input_ids, attention_mask, completion_ids = input_ids[rows], attention_mask[rows], completion_ids[rows]
             loss_mask, advantages, sampler_logprobs = loss_mask[rows], advantages[rows], sampler_logprobs[rows]

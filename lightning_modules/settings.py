@@ -31,9 +31,10 @@ class LossSettings:
         micro_batch_size: completions per forward/backward (gradient accumulation inside an update).
         group_by_length: fill micro-batches with completions of similar length (sorted, stable), so
             that each forward, cut to its own micro-batch's longest prompt and completion, computes
-            little padding; grpo / dapo / dr_grpo updates are the same either way (up to rounding),
-            bnpo's token mean per micro-batch follows the micro-batches' new make-up. false: in
-            rollout order (each micro-batch is still cut to its own longest rows).
+            little padding; grpo / dapo / dr_grpo updates are the same either way (up to rounding).
+            bnpo keeps rollout order (its token mean per micro-batch would weigh the tokens of short
+            completions up in sorted micro-batches). false: in rollout order (each micro-batch is
+            still cut to its own longest rows).
         tis_level: importance weights per token or per sequence (trainer vs sampler log-probs).
         tis_mode: truncate (TIS: min(w, cap)) or mask (MIS: drop tokens with w > cap).
         tis_cap: the cap; null disables importance-sampling correction.

@@ -150,6 +150,8 @@ def test_older_checkpoints_count_as_fp32_lora_and_rollout_order():
         "model.loss.group_by_length: True (config) vs False (checkpoint)"]
     assert hparam_differences(config, _with_older_defaults({"lora": {"rank": 8, "compute_dtype": "model"},
                                                             "loss": {"kl_coef": 0.0, "group_by_length": True}})) == []
+    # a config without those sections saved None there: its defaults ran, the older ones
+    assert len(hparam_differences(config, _with_older_defaults({"lora": None, "loss": None}))) == 2
 
 
 def test_unknown_compute_dtype_is_refused():

@@ -69,7 +69,23 @@ def test_resume_from_last_warns_each_changed_model_setting(tmp_path, monkeypatch
         resumed = main(["fit", *fast_args(tmp_path, 2, ["--ckpt_path", "last", "--model.loss.kl_coef=0.5"])])
     text = " | ".join(str(w.message) for w in record)
     assert "model.loss.kl_coef: 0.5 (config) vs 0.01 (checkpoint)" in text, text
+    assert "compute_dtype" not in text and "group_by_length" not in text, text   # no false differences
     assert resumed.model.loss_settings.kl_coef == 0.5
+    # a checkpoint from before the resolved settings were saved (and before compute_dtype /
+    # group_by_length existed) ran peft's fp32 LoRA in rollout order: resuming it says so
+    ckpt = tmp_path / "ckpt" / "last.ckpt"
+    old = torch.load(ckpt, weights_only=False)
+    assert old["qerl_settings"]["lora"]["compute_dtype"] == "model" and old["qerl_settings"]["loss"]["group_by_length"]
+    del old["qerl_settings"]
+    for group, key in (("lora", "compute_dtype"), ("loss", "group_by_length")):
+        if isinstance(old["hyper_parameters"].get(group), dict):
+            old["hyper_parameters"][group].pop(key, None)
+    torch.save(old, tmp_path / "old.ckpt")
+    with pytest.warns(UserWarning) as record:
+        main(["fit", *fast_args(tmp_path, 3, ["--ckpt_path", str(tmp_path / "old.ckpt")])])
+    text = " | ".join(str(w.message) for w in record)
+    assert "model.lora.compute_dtype: 'model' (config) vs 'stored' (checkpoint)" in text, text
+    assert "model.loss.group_by_length: True (config) vs False (checkpoint)" in text, text
 
 
 def test_resume_after_a_validation_step_matches_the_straight_run(tmp_path, monkeypatch):

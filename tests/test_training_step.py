@@ -224,7 +224,7 @@ def test_bnpo_is_a_token_mean_per_micro_batch(policy, mismatched, tmp_path):
     So it equals dapo's whole-batch token mean with one micro-batch, and with micro-batches of equal
     token counts (8 + 8: every token weighs 1 / (2 * 8) = 1 / 16, as in the whole-batch mean), but
     not with unequal ones (7 + 4 + 6: a token of the 4-token micro-batch weighs 1 / (3 * 4), not 1 / 17)."""
-    in_order = dict(INVARIANCE, group_by_length=False)   # the micro-batches' make-up as described
+    in_order = dict(INVARIANCE, group_by_length=False)   # (bnpo ignores it: rollout order always)
     whole = fit(policy, mismatched, tmp_path / "mb8", micro_batch_size=8, aggregation="bnpo", **in_order)
     dapo = fit(policy, mismatched, tmp_path / "dapo", micro_batch_size=8, aggregation="dapo", **in_order)
     equal = fit(policy, mismatched, tmp_path / "mb4", micro_batch_size=4, aggregation="bnpo", **in_order)
@@ -235,6 +235,10 @@ def test_bnpo_is_a_token_mean_per_micro_batch(policy, mismatched, tmp_path):
     assert whole.logged["train/loss"] == pytest.approx(equal.logged["train/loss"], rel=1e-5, abs=1e-7)
     assert_different_update(whole, unequal, "bnpo, micro-batches of unequal token counts")
     assert abs(whole.logged["train/loss"] - unequal.logged["train/loss"]) > 1e-2 * abs(whole.logged["train/loss"])
+    # bnpo keeps rollout order under group_by_length (sorted micro-batches would weigh the tokens of
+    # short completions up, not a speed setting's business)
+    grouped = fit(policy, mismatched, tmp_path / "mb3g", micro_batch_size=3, aggregation="bnpo", **INVARIANCE)
+    assert_same_update(unequal, grouped, "bnpo ignores group_by_length")
 
 
 # ------------------------------------------------------------------------------------------------
@@ -256,7 +260,7 @@ def test_a_skipped_update_logs_no_partial_values(policy, mismatched, tmp_path):
     """A NaN reward in the second micro-batch skips both updates: the weights stay, the update
     scalars are NaN (not the first micro-batch's share, which looked like a small real loss), and
     the pre-update entropy / IS ratio (what the adaptive AQN controller reads) are the clean run's."""
-    kw = dict(updates_per_rollout=2, micro_batch_size=3, kl_coef=0.05)
+    kw = dict(updates_per_rollout=2, micro_batch_size=3, kl_coef=0.05, group_by_length=False)  # rows in order
     clean = fit(policy, mismatched, tmp_path / "clean", **kw)
     broken = copy.deepcopy(mismatched)
     broken.rewards[5] = float("nan")  # group 2 (rows 4-5) of micro-batch 1 (rows 3-5)
