@@ -29,7 +29,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from lightning_modules.qerl_module import QeRLModule  # noqa: E402
+from lightning_modules.qerl_module import QeRLModule, forward_window  # noqa: E402
 from rollout_hf import build  # noqa: E402
 
 
@@ -54,11 +54,8 @@ def one_update(module, input_ids, attention_mask, completion_ids, completion_mas
         mb = rows[i: i + micro]
         logprobs, _ = module.completion_logprobs(input_ids[mb], attention_mask[mb], completion_ids[mb], 1.0, cut=cut)
         (-(logprobs * completion_mask[mb]).sum() / count).backward()                          # a dapo-like token mean
-        if cut:      # completion_logprobs' window: from the first used column (<= P - 1) to >= 1 completion column
-            used = attention_mask[mb].any(0).nonzero()
-            tokens += len(mb) * (max(int(used[-1]) + 1, P + 1) - min(int(used[0]), P - 1))
-        else:
-            tokens += len(mb) * input_ids.shape[1]
+        start, stop = forward_window(attention_mask[mb], P) if cut else (0, input_ids.shape[1])
+        tokens += len(mb) * (stop - start)
     return tokens
 
 

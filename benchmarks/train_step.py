@@ -58,8 +58,8 @@ def sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def train_steps(model, vocab: int, batch: int, seq: int, device: str, steps: int = 3) -> tuple[float, float]:
-    """(median seconds per update, peak GB allocated during the updates)."""
+def lora_update(model, vocab: int, batch: int, seq: int, device: str):
+    """One LoRA update on ``batch x seq`` seeded tokens (a fresh AdamW), as a callable."""
     model.train()
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-5)
     g = torch.Generator().manual_seed(0)
@@ -71,7 +71,12 @@ def train_steps(model, vocab: int, batch: int, seq: int, device: str, steps: int
         (-logp.mean()).backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
+    return step
 
+
+def train_steps(model, vocab: int, batch: int, seq: int, device: str, steps: int = 3) -> tuple[float, float]:
+    """(median seconds per update, peak GB allocated during the updates)."""
+    step = lora_update(model, vocab, batch, seq, device)
     step()                                                                              # warm-up (tuning, compile)
     sync(device)
     if device == "cuda":
@@ -101,21 +106,13 @@ def profile_step(model, vocab: int, batch: int, seq: int, device: str) -> list[d
     """CUDA kernel time of one update (after ``train_steps``' warm-up) per category, ms."""
     from torch.profiler import ProfilerActivity, profile
 
-    model.train()
-    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-5)
-    ids = torch.randint(1, vocab, (batch, seq), generator=torch.Generator().manual_seed(0)).to(device)  # (B, T)
-
-    def update():
-        logp = selective_log_softmax(model(input_ids=ids[:, :-1]).logits, ids[:, 1:])  # (B, T-1)
-        (-logp.mean()).backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        sync(device)
-
+    update = lora_update(model, vocab, batch, seq, device)
     update()                                                                            # AdamW state, allocations
+    sync(device)
     activities = [ProfilerActivity.CUDA] if device == "cuda" else [ProfilerActivity.CPU]
     with profile(activities=activities) as prof:
         update()
+        sync(device)
     per_cat, names = {}, {}
     for ev in prof.key_averages():
         t = getattr(ev, "device_time_total", 0.0) if device == "cuda" else ev.self_cpu_time_total

@@ -52,13 +52,17 @@ class ResumeMixin:
         else:
             checkpoint["qerl_rng"] = global_rng_state()
         checkpoint["qerl_streaks"] = dict(self._streaks)
-        # the settings that ran, resolved (hyper_parameters hold None for a section the config left out)
-        checkpoint["qerl_settings"] = {"lora": _plain(self.lora_settings), "loss": _plain(self.loss_settings)}
+        checkpoint["qerl_settings"] = self._resolved_settings()
         checkpoint["qerl_max_steps"] = self._trainer.max_steps if self._trainer is not None else None
         if self._world_size() > 1:
             states = [None] * self._world_size()
             torch.distributed.all_gather_object(states, checkpoint["qerl_rng"])
             checkpoint["qerl_rng_per_rank"] = states
+
+    def _resolved_settings(self) -> dict:
+        """The LoRA and loss settings that run, as dicts (hyper_parameters hold None for a section
+        the config left out): saved as ``qerl_settings`` and compared on resume."""
+        return {"lora": _plain(self.lora_settings), "loss": _plain(self.loss_settings)}
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
         # strict_loading is off (the frozen base is not in the file): check the trainable tensors by
@@ -87,9 +91,7 @@ class ResumeMixin:
             saved.update(checkpoint["qerl_settings"])
         else:  # written before the resolved settings were saved: what ran then
             saved = _with_older_defaults(saved)
-        # the settings that run (a config without a `lora:` / `loss:` section holds None there)
-        config = {**_plain(dict(self.hparams)), "lora": _plain(self.lora_settings), "loss": _plain(self.loss_settings)}
-        differences = hparam_differences(config, saved)
+        differences = hparam_differences({**_plain(dict(self.hparams)), **self._resolved_settings()}, saved)
         if differences:  # `last` and a file alike (the CLI no longer swaps in the checkpoint's values)
             rank_zero_warn("the checkpoint was trained with other model settings; the config's are used:\n  "
                            + "\n  ".join(differences))

@@ -47,6 +47,16 @@ from qerl.seeding import resolve_seed
 log = logging.getLogger(__name__)
 
 
+def forward_window(attention_mask: torch.Tensor, prompt_len: int) -> tuple[int, int]:
+    """``(start, stop)``: the columns of ``[left-padded prompt | right-padded completion]`` rows that
+    a forward needs -- from the first column some row uses (at most ``prompt_len - 1``: the logit of
+    the first completion token) to past the last one (at least one completion column)."""
+    used = attention_mask.any(0).nonzero()                                   # (k, 1) columns some row uses
+    start = min(int(used[0]) if used.numel() else prompt_len - 1, prompt_len - 1)
+    stop = max(int(used[-1]) + 1 if used.numel() else 0, prompt_len + 1)
+    return start, stop
+
+
 class QeRLModule(ResumeMixin, EvaluationMixin, L.LightningModule):
     """The policy (frozen NVFP4/bf16 base + LoRA) and the RL update.
 
@@ -184,10 +194,9 @@ class QeRLModule(ResumeMixin, EvaluationMixin, L.LightningModule):
         The entropy is detached unless ``entropy_grad`` (the entropy bonus)."""
         T = completion_ids.shape[1]
         P = input_ids.shape[1] - T
-        used = attention_mask.any(0).nonzero() if cut else torch.tensor([0, P + T - 1])  # columns some row uses
-        start = min(int(used[0]) if used.numel() else P - 1, P - 1)  # keep the logit of the first completion token
-        T_used = max(int(used[-1]) - P + 1 if used.numel() else 0, 1)
-        input_ids, attention_mask = input_ids[:, start: P + T_used], attention_mask[:, start: P + T_used]
+        start, stop = forward_window(attention_mask, P) if cut else (0, P + T)
+        T_used = stop - P
+        input_ids, attention_mask = input_ids[:, start:stop], attention_mask[:, start:stop]
         position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)  # same rule as the HF engine
         out = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                          use_cache=False, logits_to_keep=T_used + 1)

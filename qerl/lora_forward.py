@@ -50,14 +50,19 @@ def plain_adapter(module: nn.Module) -> str | None:
     return name
 
 
+def scaled_adapter(module: nn.Module, name: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(A (r, K), scaling * B (N, r))`` of adapter ``name``: what :func:`plus_lora` multiplies by,
+    in training (cast per call) and in generation (cast once), so both compute alike."""
+    return module.lora_A[name].weight, module.lora_B[name].weight * module.scaling[name]
+
+
 def _forward_in_activation_dtype(self, x: torch.Tensor, *args, peft_forward, **kwargs) -> torch.Tensor:
     """peft's LoRA ``forward`` with the adapter's matmuls in ``x.dtype`` (see the module docstring)."""
     name = None if (args or kwargs) else plain_adapter(self)
     if name is None or x.dtype == self.lora_A[name].weight.dtype:
         return peft_forward(self, x, *args, **kwargs)
-    A = self.lora_A[name].weight.to(x.dtype)                              # (r, K)
-    sB = (self.lora_B[name].weight * self.scaling[name]).to(x.dtype)      # (N, r), scaling folded in
-    return plus_lora(self.base_layer(x), self.lora_dropout[name](x), A, sB)
+    A, sB = scaled_adapter(self, name)                                    # (r, K), (N, r) fp32
+    return plus_lora(self.base_layer(x), self.lora_dropout[name](x), A.to(x.dtype), sB.to(x.dtype))
 
 
 _CLASSES: dict[type, type] = {}  # peft class -> its subclass with the forward above

@@ -30,7 +30,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from qerl.lora_forward import plain_adapter, plus_lora
+from qerl.lora_forward import plain_adapter, plus_lora, scaled_adapter
 from qerl.nvfp4 import NVFP4WeightTensor
 
 GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
@@ -52,8 +52,8 @@ def lora_state(module: nn.Module) -> tuple[str, tuple[torch.Tensor, torch.Tensor
     name = plain_adapter(module)
     if name is None:
         return OTHER, None
-    A, B = module.lora_A[name].weight.detach(), module.lora_B[name].weight.detach()
-    return LEAN, (A, B * module.scaling[name])
+    A, sB = scaled_adapter(module, name)
+    return LEAN, (A.detach(), sB.detach())
 
 
 # ---------------------------------------------------------------------------- lean LoRA forward
@@ -162,7 +162,7 @@ class _FusedGroup:
         if self._x is not x or i not in self._left:
             y = F.linear(x, self.weight, self.bias)                  # (..., N_total): one kernel launch
             if self.lora is not None:                                # (R, K), (N_total, R) block-diagonal:
-                y = plus_lora(y, x, *self.lora)                     # one GEMM for all A's, one for all B's
+                y = plus_lora(y, x, *self.lora)                      # one GEMM for all A's, one for all B's
             self._x, self._outs, self._left = x, y.split(self.sizes, dim=-1), set(range(len(self.sizes)))
         out = self._outs[i]
         self._left.discard(i)
