@@ -35,6 +35,8 @@ from qerl.rollout.hf import HFEngine  # noqa: E402
 SHAPES = {
     "7b": dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,
                num_key_value_heads=4, vocab_size=152064),
+    "0.5b": dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
+                 num_key_value_heads=2, vocab_size=151936),    # Qwen2.5-0.5B: the testbed recipes' model
     "small": dict(hidden_size=512, intermediate_size=1536, num_hidden_layers=4, num_attention_heads=8,
                   num_key_value_heads=2, vocab_size=8192),      # CPU-sized (benchmarks/micro_batching.py)
     "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,

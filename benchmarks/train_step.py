@@ -1,7 +1,8 @@
 """Memory and speed of the three arms -- 16-bit LoRA, QLoRA (NF4) and QeRL (NVFP4) -- side by side.
 
-    python benchmarks/train_step.py [--shape 7b|tiny] [--arms bf16,nf4,nvfp4] [--batch 8] [--seq 512]
-        [--gen-batch 8] [--gen-prompt 128] [--gen-new 128] [--lora-compute model,stored] [--profile] [--out PATH]
+    python benchmarks/train_step.py [--shape 7b|0.5b|tiny] [--arms bf16,nf4,nvfp4] [--batch 8] [--seq 512]
+        [--gen-batch 8] [--gen-prompt 128] [--gen-new 128] [--lora-compute model,stored] [--profile]
+        [--host-profile] [--skip-gen] [--out PATH]
 
 A Qwen2.5-7B-shaped model with random weights (std 0.02, as ``benchmarks/rollout_hf.py``), LoRA r32
 on every decoder linear (non-zero B), gradient checkpointing as in the 7B recipes. Per arm, in one
@@ -12,6 +13,8 @@ process, one after another:
 * ``train_step_s`` / ``train_peak_gb``: one LoRA update on ``batch x seq`` tokens -- forward, the
   selected-token log-probs through ``qerl.losses.selective_log_softmax`` (as the policy loss), backward,
   AdamW step -- median of 3 after a warm-up, and the peak allocated memory of those steps;
+* ``train_host_s``: the host's time to enqueue that update (before the closing synchronize): close
+  to ``train_step_s`` means Python and launches, not the GPU, set the pace;
 * ``gen_tok_s``: the embedded engine (``HFEngine``, CUDA-graph decode where the arm's kernels allow it)
   sampling ``gen-new`` tokens for ``gen-batch`` prompts of ``gen-prompt`` tokens (median of 3 calls after a warm-up;
   each call includes its prefill and the CUDA-graph capture).
@@ -20,6 +23,9 @@ process, one after another:
 bf16 matmuls on casts of the fp32 adapter, ``qerl.lora_forward``), ``stored`` (peft's fp32 forward);
 rows get ``vs_bf16`` (against bf16 with the same LoRA arithmetic) and ``vs_stored``. ``--profile``:
 also the CUDA kernel time of one update per category (``torch.profiler``; rows' ``profile``).
+``--host-profile``: the Python functions that take the host's time in one update (cProfile; rows'
+``host_profile``). ``--skip-gen``: no generation (``gen_tok_s`` null). ``--shape 0.5b``: Qwen2.5-0.5B,
+the testbed recipes' model.
 
 ``nf4`` needs bitsandbytes (skipped with a note when it does not import). Prints a table; writes
 benchmarks/results/train_step_h200.json (or --out).
@@ -74,21 +80,25 @@ def lora_update(model, vocab: int, batch: int, seq: int, device: str):
     return step
 
 
-def train_steps(model, vocab: int, batch: int, seq: int, device: str, steps: int = 3) -> tuple[float, float]:
-    """(median seconds per update, peak GB allocated during the updates)."""
+def train_steps(model, vocab: int, batch: int, seq: int, device: str, steps: int = 3) -> tuple[float, float, float]:
+    """(median seconds per update, median seconds the host took to enqueue it, peak GB allocated).
+
+    The host time is measured before the closing synchronize: when it is close to the update's
+    time, Python (not the GPU) sets the pace."""
     step = lora_update(model, vocab, batch, seq, device)
     step()                                                                              # warm-up (tuning, compile)
     sync(device)
     if device == "cuda":
         torch.cuda.reset_peak_memory_stats()
-    times = []
+    times, host = [], []
     for _ in range(steps):
         t0 = time.perf_counter()
         step()
+        host.append(time.perf_counter() - t0)
         sync(device)
         times.append(time.perf_counter() - t0)
     peak = torch.cuda.max_memory_allocated() / GB if device == "cuda" else float("nan")
-    return statistics.median(times), peak
+    return statistics.median(times), statistics.median(host), peak
 
 
 TRAIN_CATEGORIES = [  # first match wins; kernel names of torch 2.11 / Triton 3.6 on the H200
@@ -125,6 +135,25 @@ def profile_step(model, vocab: int, batch: int, seq: int, device: str) -> list[d
             for c, ms in sorted(per_cat.items(), key=lambda kv: -kv[1])]
 
 
+def host_profile_step(model, vocab: int, batch: int, seq: int, device: str, top: int = 15) -> list[dict]:
+    """The Python functions that take the host's time in one update (cProfile, own time), ms."""
+    import cProfile
+    import pstats
+
+    update = lora_update(model, vocab, batch, seq, device)
+    update()
+    sync(device)
+    prof = cProfile.Profile()
+    prof.enable()
+    update()
+    prof.disable()
+    sync(device)
+    stats = pstats.Stats(prof).stats              # (file, line, name) -> (calls, ncalls, own, cumulative, callers)
+    rows = [{"function": f"{os.path.basename(f)}:{line}:{name}", "calls": nc, "own_ms": own * 1e3, "cum_ms": cum * 1e3}
+            for (f, line, name), (_, nc, own, cum, _) in stats.items()]
+    return sorted(rows, key=lambda r: -r["own_ms"])[:top]
+
+
 def gen_tok_s(model, vocab: int, batch: int, prompt: int, new: int, device: str) -> float:
     model.eval()
     engine = HFEngine(stop_token_ids=[-1], pad_token_id=0, max_batch_size=batch)
@@ -155,6 +184,8 @@ def main():
     ap.add_argument("--lora-compute", default="model",
                     help="LoraSettings.compute_dtype values to run each arm with: model (bf16 matmuls), stored (peft's fp32)")
     ap.add_argument("--profile", action="store_true", help="also: kernel time per category of one update (torch.profiler)")
+    ap.add_argument("--host-profile", action="store_true", help="also: the host's Python time of one update by function (cProfile)")
+    ap.add_argument("--skip-gen", action="store_true", help="no generation throughput (gen_tok_s null)")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)),
                                                   "results", "train_step_h200.json"))
     args = ap.parse_args()
@@ -168,26 +199,31 @@ def main():
             continue
         nbytes = base_weight_bytes(model)
         weights, linears = nbytes["total"] / GB, nbytes["decoder_linears"] / GB
-        step_s, peak = train_steps(model, vocab, args.batch, args.seq, device)
-        tok_s = gen_tok_s(model, vocab, args.gen_batch, args.gen_prompt, args.gen_new, device)
-        rows.append(dict(arm=arm, lora_compute=lora_compute, weights_gb=weights, decoder_linears_gb=linears, train_step_s=step_s, train_peak_gb=peak, gen_tok_s=tok_s))
+        step_s, host_s, peak = train_steps(model, vocab, args.batch, args.seq, device)
+        tok_s = None if args.skip_gen else gen_tok_s(model, vocab, args.gen_batch, args.gen_prompt, args.gen_new, device)
+        rows.append(dict(arm=arm, lora_compute=lora_compute, weights_gb=weights, decoder_linears_gb=linears,
+                         train_step_s=step_s, train_host_s=host_s, train_peak_gb=peak, gen_tok_s=tok_s))
         if args.profile:
             rows[-1]["profile"] = profile_step(model, vocab, args.batch, args.seq, device)
             print(f"    kernels in all {sum(r['ms'] for r in rows[-1]['profile']):8.2f} ms per update")
             for r in rows[-1]["profile"]:
                 print(f"    {r['category']:38s} {r['ms']:8.2f} ms   e.g. {r['top_kernels'][0]['name'][:70]} x{r['top_kernels'][0]['calls']}")
-        print(f"{arm:6s} lora {lora_compute:6s} weights {weights:6.2f} GB  update {step_s:7.3f} s  peak {peak:6.2f} GB  "
-              f"generate {tok_s:8.1f} tok/s", flush=True)
+        if args.host_profile:
+            rows[-1]["host_profile"] = host_profile_step(model, vocab, args.batch, args.seq, device)
+            for r in rows[-1]["host_profile"]:
+                print(f"    host {r['own_ms']:8.2f} ms own {r['cum_ms']:8.2f} ms cum x{r['calls']:<6d} {r['function'][:80]}")
+        print(f"{arm:6s} lora {lora_compute:6s} weights {weights:6.2f} GB  update {step_s:7.3f} s (host {host_s:7.3f} s)  "
+              f"peak {peak:6.2f} GB  generate {tok_s or float('nan'):8.1f} tok/s", flush=True)
         del model
         if device == "cuda":
             torch.cuda.empty_cache()
-    keys = ("weights_gb", "train_step_s", "train_peak_gb", "gen_tok_s")
+    keys = ("weights_gb", "train_step_s", "train_host_s", "train_peak_gb", "gen_tok_s")
     for r in rows:           # each arm against bf16 with the same LoRA arithmetic, and model against stored
         base = next((b for b in rows if b["arm"] == "bf16" and b["lora_compute"] == r["lora_compute"]), None)
         stored = next((b for b in rows if b["arm"] == r["arm"] and b["lora_compute"] == "stored"), None)
         for name, ref in (("vs_bf16", base), ("vs_stored", stored)):
             if ref is not None:
-                r[name] = {k: r[k] / ref[k] for k in keys}
+                r[name] = {k: r[k] / ref[k] for k in keys if r[k] is not None and ref[k]}
                 print(f"{r['arm']} lora {r['lora_compute']} {name}: " + ", ".join(f"{k} {v:.2f}" for k, v in r[name].items()))
     meta = {"device": torch.cuda.get_device_name() if device == "cuda" else "cpu", "torch": torch.__version__,
             "shape": args.shape, "lora_rank": 32, "batch": args.batch, "seq": args.seq, "gradient_checkpointing": True,

@@ -16,7 +16,7 @@ def test_train_step_benchmark_tiny(tmp_path):
     out = tmp_path / "ts.json"
     r = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "train_step.py"), "--shape", "tiny",
                         "--arms", ",".join(arms), "--batch", "2", "--seq", "33", "--gen-batch", "2",
-                        "--gen-prompt", "8", "--gen-new", "8", "--lora-compute", "model,stored", "--profile",
+                        "--gen-prompt", "8", "--gen-new", "8", "--lora-compute", "model,stored", "--profile", "--host-profile",
                         "--out", str(out)],
                        capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert r.returncode == 0, r.stderr[-3000:]
@@ -25,13 +25,16 @@ def test_train_step_benchmark_tiny(tmp_path):
         (a, c) for a in arms for c in ("model", "stored"))
     for row in res["rows"]:      # the profile: named categories whose times add up to something
         assert row["profile"] and sum(c["ms"] for c in row["profile"]) > 0
-        assert set(row["vs_stored"]) == {"weights_gb", "train_step_s", "train_peak_gb", "gen_tok_s"}
+        assert set(row["vs_stored"]) == {"weights_gb", "train_step_s", "train_host_s", "train_peak_gb", "gen_tok_s"}
+        # the host profile names Python functions; the host's enqueue time is within the update's
+        assert row["host_profile"] and all(r["calls"] > 0 and ":" in r["function"] for r in row["host_profile"])
+        assert 0 < row["train_host_s"] <= row["train_step_s"]
     rows = {row["arm"]: row for row in res["rows"] if row["lora_compute"] == "model"}
     for row in rows.values():
         for k in ("weights_gb", "train_step_s", "gen_tok_s"):
             assert math.isfinite(row[k]) and row[k] > 0, (row["arm"], k, row[k])
         assert row["decoder_linears_gb"] < row["weights_gb"]
-        assert set(row["vs_bf16"]) == {"weights_gb", "train_step_s", "train_peak_gb", "gen_tok_s"}
+        assert set(row["vs_bf16"]) == {"weights_gb", "train_step_s", "train_host_s", "train_peak_gb", "gen_tok_s"}
     # the packed base is smaller even on the tiny model, whose embeddings dominate
     assert rows["nvfp4"]["weights_gb"] < rows["bf16"]["weights_gb"]
     assert res["meta"]["shape"] == "tiny" and res["meta"]["gradient_checkpointing"] is True
