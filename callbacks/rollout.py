@@ -69,7 +69,7 @@ class RolloutCallback(L.Callback):
             way the sampler's log-probs equal the trainer's up to kernel rounding, except for
             ``compute_dtype: stored`` with ``model`` here (see ``qerl.rollout.hf.HFEngine``).
         hf_fused_ops: hf engine on CUDA, while generating: RMSNorm, rotary embedding and SiLU-mul as
-            one Triton kernel each (``qerl.rollout.fused_ops``), and q/k/v and gate/up as one linear
+            one Triton kernel each (``qerl.fused_ops``), and q/k/v and gate/up as one linear
             each (``qerl.rollout.fast_linears``); false = transformers' eager ops and linears.
         dynamic_sampling: DAPO: drop groups whose rewards (before overlong shaping) are all equal and
             refill from fresh prompts.

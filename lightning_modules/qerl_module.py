@@ -71,6 +71,9 @@ class QeRLModule(ResumeMixin, EvaluationMixin, L.LightningModule):
         adapter_path: a peft adapter directory to load into the LoRA after building the model
             (evaluate or continue a trained adapter); null starts from peft's init (B = 0, i.e. the base).
         gradient_checkpointing: recompute activations in backward (long completions on big models).
+        fused_ops: on CUDA, the training passes run RMSNorm (AQN noise included), the rotary embedding
+            and SiLU(gate) * up as one Triton kernel each, forward and backward (``qerl.fused_ops``, as
+            the embedded engine generates); false: transformers' eager ops.
         seed: seeds the tiny model's random init (real models ignore it); null: ``seed_everything``.
         warn_after_steps: warn when reward std is 0 or >= 90% of completions are truncated this many rollout
             batches in a row.
@@ -87,6 +90,7 @@ class QeRLModule(ResumeMixin, EvaluationMixin, L.LightningModule):
         eval: EvalSettings | None = None,
         adapter_path: str | None = None,
         gradient_checkpointing: bool = False,
+        fused_ops: bool = True,
         seed: int | None = None,
         warn_after_steps: int = 5,
     ):
@@ -101,6 +105,7 @@ class QeRLModule(ResumeMixin, EvaluationMixin, L.LightningModule):
         self.eval_settings = eval or EvalSettings()
         self.adapter_path = adapter_path
         self.gradient_checkpointing = gradient_checkpointing
+        self.fused_ops = fused_ops
         self.warn_after_steps = warn_after_steps
         self.model: torch.nn.Module | None = None
         self._tokenizer = None
@@ -210,7 +215,20 @@ class QeRLModule(ResumeMixin, EvaluationMixin, L.LightningModule):
         return logprobs, entropy
 
     # ---------------------------------------------------------------- the step
+    def _fused_ops(self):
+        """``qerl.fused_ops`` on CUDA when enabled (forward, checkpoint recompute and backward inside)."""
+        if not (self.fused_ops and self.device.type == "cuda"):
+            return contextlib.nullcontext()
+        from qerl.fused_ops import fused_ops  # Triton: imported only where it runs
+
+        return fused_ops(self.model)
+
     def training_step(self, batch: dict, batch_idx: int):
+        with self._fused_ops():
+            self._rl_step(batch)
+
+    def _rl_step(self, batch: dict) -> None:
+        """One rollout batch: advantages, the no-grad passes, K updates over micro-batches, logging."""
         rollout: Rollout = batch["rollout"].to(self.device)
         s = self.loss_settings
         opt, sched = self.optimizers(), self.lr_schedulers()

@@ -78,7 +78,7 @@ class _NoisyForward:
 def rms_norm_mismatch(module: nn.Module) -> str | None:
     """Why ``module`` is not an HF-style RMSNorm -- a 1-D weight, an eps, no bias, and its forward
     equal to ``_rmsnorm`` on a random input (skipped on the meta device) -- or None if it is one.
-    The noisy norms and the engine's fused norm (``qerl.rollout.fused_ops``) replace the forward
+    The noisy norms and the engine's fused norm (``qerl.fused_ops``) replace the forward
     by that formula, so a norm that computes anything else (Gemma's ``1 + weight``) must not pass."""
     eps, weight = _eps(module), getattr(module, "weight", None)
     if eps is None or not isinstance(weight, torch.Tensor) or weight.dim() != 1 or getattr(module, "bias", None) is not None:

@@ -16,20 +16,21 @@ def test_train_step_benchmark_tiny(tmp_path):
     out = tmp_path / "ts.json"
     r = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "train_step.py"), "--shape", "tiny",
                         "--arms", ",".join(arms), "--batch", "2", "--seq", "33", "--gen-batch", "2",
-                        "--gen-prompt", "8", "--gen-new", "8", "--lora-compute", "model,stored", "--profile", "--host-profile",
+                        "--gen-prompt", "8", "--gen-new", "8", "--lora-compute", "model,stored", "--profile", "--host-profile", "--fused-ops", "off,on",
                         "--out", str(out)],
                        capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert r.returncode == 0, r.stderr[-3000:]
     res = json.loads(out.read_text())
-    assert sorted((r["arm"], r["lora_compute"]) for r in res["rows"]) == sorted(
-        (a, c) for a in arms for c in ("model", "stored"))
+    assert sorted((r["arm"], r["lora_compute"], r["fused_ops"]) for r in res["rows"]) == sorted(
+        (a, c, f) for a in arms for c in ("model", "stored") for f in (False, True))
     for row in res["rows"]:      # the profile: named categories whose times add up to something
         assert row["profile"] and sum(c["ms"] for c in row["profile"]) > 0
-        assert set(row["vs_stored"]) == {"weights_gb", "train_step_s", "train_host_s", "train_peak_gb", "gen_tok_s"}
+        assert set(row["vs_stored"]) == set(row["vs_unfused"]) == {"weights_gb", "train_step_s", "train_host_s",
+                                                                    "train_peak_gb", "gen_tok_s"}
         # the host profile names Python functions; the host's enqueue time is within the update's
         assert row["host_profile"] and all(r["calls"] > 0 and ":" in r["function"] for r in row["host_profile"])
         assert 0 < row["train_host_s"] <= row["train_step_s"]
-    rows = {row["arm"]: row for row in res["rows"] if row["lora_compute"] == "model"}
+    rows = {row["arm"]: row for row in res["rows"] if row["lora_compute"] == "model" and not row["fused_ops"]}
     for row in rows.values():
         for k in ("weights_gb", "train_step_s", "gen_tok_s"):
             assert math.isfinite(row[k]) and row[k] > 0, (row["arm"], k, row[k])

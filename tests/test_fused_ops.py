@@ -1,7 +1,9 @@
-"""The embedded engine's fused kernels (``qerl.rollout.fused_ops``): RMSNorm with AQN noise, rotary
-embedding, SiLU-mul. CPU: through Triton's interpreter (fp32, in a subprocess: the interpreter is
-chosen when Triton is imported), kernels against transformers' ops and a generation with and
-without them. GPU: bf16 against the eager ops, and the engine's output with and without them."""
+"""The fused kernels (``qerl.fused_ops``): RMSNorm with AQN noise, rotary embedding, SiLU-mul,
+forward and backward. CPU: through Triton's interpreter (fp32, in a subprocess: the interpreter is
+chosen when Triton is imported), kernels and their gradients against transformers' ops and autograd,
+a generation with and without them, and a training forward + backward (gradient checkpointing, AQN
+on) with and without them. GPU: bf16 against the eager ops, the engine's output and a QeRLModule
+training step with and without them."""
 
 import importlib.util
 import os
@@ -18,7 +20,7 @@ CUDA = torch.cuda.is_available()
 _COMMON = textwrap.dedent("""
     import torch
     from transformers.models.qwen2 import modeling_qwen2 as M
-    from qerl.rollout.fused_ops import rms_norm, rotary, silu_mul
+    from qerl.fused_ops import rms_norm, rotary, silu_mul
 
     def check_kernels(device, dtype, exact):
         g = torch.Generator().manual_seed(0)
@@ -51,6 +53,34 @@ _COMMON = textwrap.dedent("""
         tol = dict(atol=1e-6, rtol=1e-5) if exact else dict(atol=0, rtol=2 ** -7)   # bf16: 1 ulp
         for a, b in ((out, ref), (noisy, noisy_ref), (act, act_ref), (act_halves, halves_ref)):
             assert a.dtype == b.dtype and torch.allclose(a.float(), b.float(), **tol), (a - b).abs().max()
+        check_gradients(rnd, norm, noise, exact)
+
+    def grads(fn, *inputs):
+        # d(sum(fn(*inputs) * w)) / d inputs for a fixed random w (a non-uniform upstream gradient)
+        inputs = [t.detach().clone().requires_grad_(True) for t in inputs]
+        out = fn(*inputs)
+        w = torch.randn(out.shape, generator=torch.Generator().manual_seed(1)).to(out.device, out.dtype)
+        (out * w).sum().backward()
+        return [t.grad for t in inputs]
+
+    def check_gradients(rnd, norm, noise, exact):
+        from qerl.noisy_norms import _rmsnorm
+        q, cos, sin = rnd(2, 5, 3, 16).transpose(1, 2), rnd(2, 5, 16), rnd(2, 5, 16)   # (B, H, T, D) view
+        for c, s in ((cos, sin), (cos[:1], sin[:1])):   # the rotary backward rounds as autograd does: equal
+            got, want = grads(lambda t: rotary(t, c, s), q), grads(lambda t: M.apply_rotary_pos_emb(t, t, c, s)[0], q)
+            assert torch.equal(got[0], want[0]), (got[0] - want[0]).abs().max()
+        g, u = rnd(6, 40), rnd(6, 40)
+        pairs = [(grads(silu_mul, g, u), grads(lambda a, b: torch.nn.functional.silu(a) * b, g, u))]
+        x = rnd(7, 48) * 3
+        for z in (None, noise):                      # the plain norm (HF's forward) and the noisy one (AQN's)
+            ref = (lambda t: norm(t)) if z is None else (lambda t: _rmsnorm(norm, t, z, 1e-6))
+            pairs.append((grads(lambda t: rms_norm(t, norm.weight, 1e-6, x.dtype, z), x), grads(ref, x)))
+        # bf16: the norm's reduction runs in one fp32 pass where autograd rounds between its ops
+        tol = dict(atol=1e-5, rtol=1e-4) if exact else dict(atol=2e-2, rtol=2 ** -6)
+        for i, (got, want) in enumerate(pairs):
+            for a, b in zip(got, want):
+                assert a.dtype == b.dtype and a.shape == b.shape, (i, a.dtype, b.dtype)
+                assert torch.allclose(a.float(), b.float(), **tol), (i, (a.float() - b.float()).abs().max())
 """)
 
 _INTERP_SCRIPT = _COMMON + textwrap.dedent("""
@@ -60,7 +90,7 @@ _INTERP_SCRIPT = _COMMON + textwrap.dedent("""
     from qerl.model import LoraSettings, load_policy
     from qerl.noisy_norms import _NoisyForward
     from qerl.rollout import SamplingSettings
-    from qerl.rollout.fused_ops import fused_decode_ops
+    from qerl.fused_ops import fused_ops
     from qerl.rollout.fast_linears import fused_projections
     from qerl.rollout.hf import HFEngine
 
@@ -76,7 +106,7 @@ _INTERP_SCRIPT = _COMMON + textwrap.dedent("""
     for sampling in (SamplingSettings(temperature=0.0, max_new_tokens=6), SamplingSettings(temperature=1.0, max_new_tokens=6)):
         runs = []
         for fused in (False, True, "with fused projections"):   # the last: the MLP gets gate/up halves
-            ctx = fused_decode_ops(model) if fused else __import__("contextlib").nullcontext((0, 0, False))
+            ctx = fused_ops(model) if fused else __import__("contextlib").nullcontext((0, 0, False))
             groups = fused_projections(model, torch.float32) if fused == "with fused projections" else __import__("contextlib").nullcontext(0)
             with torch.no_grad(), groups as n_groups, ctx as patched:
                 gen = torch.Generator().manual_seed(1)
@@ -93,7 +123,34 @@ _INTERP_SCRIPT = _COMMON + textwrap.dedent("""
     assert M.apply_rotary_pos_emb is original_rotary
     layer = model.base_model.model.model.layers[0]
     assert isinstance(layer.input_layernorm.forward, _NoisyForward)      # AQN's wrapper is back
-    assert "forward" not in vars(layer.mlp) and not hasattr(layer.input_layernorm, "_qerl_scale")
+    assert "forward" not in vars(layer.mlp) and not hasattr(layer.input_layernorm, "_qerl_eps")
+
+    # training: forward + backward with gradient checkpointing (the recompute runs inside the block)
+    # and AQN on; every LoRA gradient as with transformers' eager ops
+    model.train()
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={{"use_reentrant": False}})
+    model.enable_input_require_grads()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.1, generator=torch.Generator().manual_seed(2))    # B = 0 would zero A's gradient
+    ids = torch.tensor([[5, 6, 7, 8, 9, 10], [11, 12, 13, 14, 15, 16]])
+
+    def lora_grads(fused):
+        model.zero_grad(set_to_none=True)
+        with (fused_ops(model) if fused else __import__("contextlib").nullcontext((0, 0, False))) as patched:
+            if fused:
+                with fused_ops(model) as nested:                               # a block inside a block: no-op
+                    assert nested == (0, 0, False)
+            logits = model(input_ids=ids).logits
+            (logits.float().log_softmax(-1)[..., :7] * torch.arange(7.0)).sum().backward()
+        return patched, {{n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}}
+    _, eager = lora_grads(False)
+    patched, fused = lora_grads(True)
+    assert patched == (5, 2, True) and len(eager) == 2 * 2 * 7, (patched, len(eager))
+    for name, g in eager.items():
+        scale = g.abs().max()                                                  # fp32: ~1e-6 relative seen
+        assert scale > 0 and (fused[name] - g).abs().max() <= 1e-4 * scale, (name, (fused[name] - g).abs().max(), scale)
     print("FUSED_OK")
 """)
 
@@ -107,14 +164,14 @@ def test_fused_ops_are_off_on_cpu_without_the_interpreter():
     from qerl.rollout.hf import HFEngine
     assert HFEngine(stop_token_ids=[0], pad_token_id=0).fused_ops is True      # the default; CUDA only
     if importlib.util.find_spec("triton") is not None and os.environ.get("TRITON_INTERPRET") != "1":
-        from qerl.rollout.fused_ops import fused_decode_ops
-        with fused_decode_ops(torch.nn.Linear(2, 2)) as patched:
+        from qerl.fused_ops import fused_ops
+        with fused_ops(torch.nn.Linear(2, 2)) as patched:
             assert patched == (0, 0, False)
 
 
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs triton")
 def test_fused_rotary_passes_what_it_does_not_handle_to_the_original():
-    from qerl.rollout.fused_ops import _fused_rotary
+    from qerl.fused_ops import _fused_rotary
     calls = []
     wrapped = _fused_rotary(lambda *a, **kw: calls.append((len(a), kw)) or "original")
     q, cos = torch.zeros(1, 2, 3, 4), torch.zeros(1, 3, 4)
@@ -160,3 +217,42 @@ def test_gpu_engine_with_and_without_fused_ops():
             for a, b, ca, cb in zip(plain.sampler_logprobs, fused.sampler_logprobs, plain.completion_ids, fused.completion_ids):
                 if ca == cb:
                     assert torch.allclose(torch.tensor(a), torch.tensor(b), atol=0.05), (a, b)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs CUDA")
+def test_gpu_training_gradients_with_and_without_fused_ops():
+    """bf16 NVFP4 policy with AQN and gradient checkpointing on the GPU: a forward + backward inside
+    ``fused_ops`` gives the LoRA gradients of transformers' eager ops (on the H200 bit-identical in
+    a fresh process, 5e-3 relative after the quickstart tests had run in it: other kernel choices;
+    asserted within 2e-2), and the patched forwards are gone afterwards."""
+    import contextlib
+
+    from qerl.aqn import attach_noisy_norms
+    from qerl.fused_ops import fused_ops
+    from qerl.model import LoraSettings, load_policy
+
+    model, _ = load_policy("tiny-qwen2", "nvfp4", LoraSettings(rank=8), dtype="bf16", device="cuda")
+    attach_noisy_norms(model).set_noise(0.05, seed=0, step=1)
+    model.train()
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.enable_input_require_grads()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.05, generator=torch.Generator("cuda").manual_seed(2))
+    ids = torch.randint(1, 100, (4, 40), generator=torch.Generator().manual_seed(3)).cuda()
+
+    def lora_grads(fused):
+        model.zero_grad(set_to_none=True)
+        with fused_ops(model) if fused else contextlib.nullcontext((0, 0, False)) as patched:
+            logits = model(input_ids=ids).logits
+            logits.float().log_softmax(-1).gather(-1, ids[..., None]).mean().backward()
+        return patched, {n: p.grad.float() for n, p in model.named_parameters() if p.requires_grad}
+    _, eager = lora_grads(False)
+    patched, fused = lora_grads(True)
+    assert patched[0] > 0 and patched[1] > 0 and patched[2]
+    for name, g in eager.items():
+        rel = ((fused[name] - g).norm() / g.norm()).item()
+        assert rel < 2e-2, (name, rel)
+    assert "forward" not in vars(model.base_model.model.model.layers[0].mlp)

@@ -226,9 +226,9 @@ def packed_gqa_decode_attention():
 
 
 def _fused_ops(model: torch.nn.Module):
-    from qerl.rollout.fused_ops import fused_decode_ops  # Triton: imported only where it runs
+    from qerl.fused_ops import fused_ops  # Triton: imported only where it runs
 
-    return fused_decode_ops(model)
+    return fused_ops(model)
 
 
 def check_adapter_dtype(value: str, what: str) -> None:
@@ -268,7 +268,7 @@ class HFEngine(RolloutEngine):
             ``compute_dtype: stored`` and ``model`` here: a bf16-sized gap that the trainer's
             importance-sampling correction sees (``train/is_ratio``).
         fused_ops: on CUDA, while generating, RMSNorm (with AQN noise), the rotary embedding and
-            SiLU(gate) * up run as one Triton kernel each (``qerl.rollout.fused_ops``; the rotary
+            SiLU(gate) * up run as one Triton kernel each (``qerl.fused_ops``; the rotary
             embedding bit-identical to transformers', the others up to rare 1-ulp differences).
         fused_projections: on CUDA, while generating, q/k/v and gate/up run as one linear each over
             their concatenated weights (and one LoRA-A / one block-diagonal B GEMM), the shapes the
