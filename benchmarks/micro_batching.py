@@ -55,7 +55,7 @@ def one_update(module, input_ids, attention_mask, completion_ids, completion_mas
         logprobs, _ = module.completion_logprobs(input_ids[mb], attention_mask[mb], completion_ids[mb], 1.0, cut=cut)
         (-(logprobs * completion_mask[mb]).sum() / count).backward()                          # a dapo-like token mean
         start, stop = forward_window(attention_mask[mb], P) if cut else (0, input_ids.shape[1])
-        tokens += len(mb) * (stop - start)
+        tokens += len(mb) * (stop - start - (stop > P))                    # (the last column is never fed)
     return tokens
 
 

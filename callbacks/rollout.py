@@ -203,8 +203,12 @@ class RolloutCallback(L.Callback):
             more, more_dropped = self._sample_groups(*extra, pl_module, step, round_, timings)
             kept += more
             dropped += more_dropped
-        # every generated group's task reward: before the filter and without the overlong shaping
-        sampled_reward = float(torch.cat([g["task_rewards"] for g in kept + dropped]).mean())
+        # every generated group's task reward (before the filter, without the overlong shaping),
+        # completion lengths and truncation flags
+        generated = kept + dropped
+        sampled_reward = float(torch.cat([g["task_rewards"] for g in generated]).mean())
+        all_lengths = torch.tensor([len(c) for g in generated for c in g["completion_ids"]])
+        all_truncated = torch.cat([g["truncated"] for g in generated])
         if self.dynamic_sampling:
             if not kept:  # no task signal anywhere: train on the original batch (advantages 0, or only
                 # the overlong penalty's length signal when shaping is on)
@@ -216,6 +220,8 @@ class RolloutCallback(L.Callback):
             kept, dropped = kept[:n], dropped + kept[n:]
         batch["rollout"] = self._to_rollout(kept, len(dropped) if self.dynamic_sampling else 0, pl_module, timings)
         batch["rollout"].sampled_reward = sampled_reward
+        if self.dynamic_sampling:
+            batch["rollout"].all_lengths, batch["rollout"].all_truncated = all_lengths, all_truncated
         steps_per_batch = getattr(getattr(pl_module, "loss_settings", None), "updates_per_rollout", 1)
         if self.log_every > 0 and batch_reaches_multiple(step, steps_per_batch, self.log_every):
             self._log_table(trainer, batch["rollout"], step)

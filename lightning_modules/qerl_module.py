@@ -191,21 +191,25 @@ class QeRLModule(ResumeMixin, EvaluationMixin, L.LightningModule):
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Log-probs (and entropies) of the completion tokens under log softmax(logits / T).
 
-        input_ids = [left-padded prompt | right-padded completion], (n, P+T); returns (n, T), 0 past
-        the rows' last token. The forward runs on these rows' own extent only: the columns where
+        input_ids = [left-padded prompt | right-padded completion], (n, P+T); returns (n, T): 0 past
+        the micro-batch's longest completion, the padding token's log-prob at a shorter row's padding
+        (every consumer masks it). The forward runs on these rows' own extent only: the columns where
         every row is padding (left of the longest prompt, right of the longest completion) are cut,
         which changes no position (they count from the first real token) and no attention (padding
         is masked); ``cut=False`` runs the full width (``benchmarks/micro_batching.py``'s baseline).
-        The entropy is detached unless ``entropy_grad`` (the entropy bonus)."""
+        The last column is not fed either: its logit would predict past the completion (causal
+        attention: nothing else changes), and the kept logits come out contiguous, so the log-softmax
+        copies none of the (n, T, V) tensor. The entropy is detached unless ``entropy_grad``."""
         T = completion_ids.shape[1]
         P = input_ids.shape[1] - T
         start, stop = forward_window(attention_mask, P) if cut else (0, P + T)
         T_used = stop - P
-        input_ids, attention_mask = input_ids[:, start:stop], attention_mask[:, start:stop]
+        stop_in = stop - 1 if T_used > 0 else stop  # (no completion token at all: one dummy logit, unused)
+        input_ids, attention_mask = input_ids[:, start:stop_in], attention_mask[:, start:stop_in]
         position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)  # same rule as the HF engine
         out = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                         use_cache=False, logits_to_keep=T_used + 1)
-        logits = out.logits[:, :-1]  # (n, T_used, V), the model's dtype: the temperature divides in fp32 below
+                         use_cache=False, logits_to_keep=max(T_used, 1))
+        logits = out.logits[:, :T_used]  # (n, T_used, V), the model's dtype: the temperature divides in fp32 below
         tau = temperature if temperature > 0 else 1.0
         pad = lambda values: torch.nn.functional.pad(values, (0, T - T_used))  # noqa: E731  (n, T_used) -> (n, T)
         logprobs = pad(selective_log_softmax(logits, completion_ids[:, :T_used], temperature=tau))  # (n, T) fp32
@@ -240,7 +244,8 @@ class QeRLModule(ResumeMixin, EvaluationMixin, L.LightningModule):
         N, T = rollout.completion_ids.shape  # N = prompts * G
         input_ids = torch.cat([rollout.prompt_ids, rollout.completion_ids], 1)  # (N, P+T)
         attention_mask = torch.cat([rollout.prompt_mask, rollout.completion_mask], 1)  # (N, P+T)
-        loss_mask = rollout.completion_mask.bool()  # (N, T)
+        completion_mask = rollout.completion_mask.bool()  # (N, T): every sampled token (logged entropy, IS ratio)
+        loss_mask = completion_mask  # (N, T): the tokens the loss trains on
         if s.mask_truncated:
             loss_mask = loss_mask & ~rollout.truncated[:, None]
         # DDP: "batch" scales by the std of every rank's rewards (the ranks keep equal group counts)
@@ -252,6 +257,7 @@ class QeRLModule(ResumeMixin, EvaluationMixin, L.LightningModule):
             rows = torch.argsort(rollout.completion_mask.sum(-1), stable=True)  # (N,)
             input_ids, attention_mask, completion_ids = input_ids[rows], attention_mask[rows], completion_ids[rows]
             loss_mask, advantages, sampler_logprobs = loss_mask[rows], advantages[rows], sampler_logprobs[rows]
+            completion_mask = completion_mask[rows]
         micro_batches = [slice(i, min(i + s.micro_batch_size, N)) for i in range(0, N, s.micro_batch_size)]
         lp = lambda mb, **kw: self.completion_logprobs(  # noqa: E731
             input_ids[mb], attention_mask[mb], completion_ids[mb], rollout.temperature, **kw)
@@ -281,6 +287,7 @@ class QeRLModule(ResumeMixin, EvaluationMixin, L.LightningModule):
         # read in update 0's pass, skipped or not.
         lr = opt.param_groups[0]["lr"]  # the LR of this step's first update (logged as train/lr)
         local_tokens = loss_mask.sum().clamp(min=1).item()  # weights of this rank's logged means
+        sampled_tokens = completion_mask.sum().clamp(min=1).item()  # (the pre-update ones: every sampled token)
         num_tokens = self.token_normaliser(loss_mask)  # dapo's: the global token count / W
         sums: dict[str, float] = {}  # the applied updates' metrics, summed over updates
         losses, grad_norms = [], []  # one per applied update
@@ -320,12 +327,15 @@ class QeRLModule(ResumeMixin, EvaluationMixin, L.LightningModule):
                 elif update > 0:
                     break  # this update is lost; the pre-update scalars are complete
                 if update == 0:  # (a skipped update 0 still reads them from every micro-batch)
-                    # the pre-update entropy: the no-grad pass's when there was one (same weights, same noise)
+                    # the pre-update entropy: the no-grad pass's when there was one (same weights, same
+                    # noise); over every sampled token, also those mask_truncated keeps out of the loss
                     logged_entropy = pre_entropy[mb] if pre_entropy is not None else entropy.detach()
-                    pre["entropy"] += float(masked_mean(logged_entropy, loss_mask[mb])) * weight
+                    sampled = completion_mask[mb]
+                    share = sampled.sum().item() / sampled_tokens
+                    pre["entropy"] += float(masked_mean(logged_entropy, sampled)) * share
                     raw_ratio = torch.exp((old - sampler_logprobs[mb]).clamp(max=20))
-                    pre["is_ratio"] += float(masked_mean(raw_ratio, loss_mask[mb])) * weight
-                    pre["weight"] += weight
+                    pre["is_ratio"] += float(masked_mean(raw_ratio, sampled)) * share
+                    pre["weight"] += share
             grad_norm = torch.nn.utils.clip_grad_norm_(self.trainable_parameters(), self.optim_settings.max_grad_norm)
             if not finite or not torch.isfinite(grad_norm):
                 # A NaN/inf must never reach the weights: drop the whole update (partial grads too).
@@ -363,7 +373,7 @@ class QeRLModule(ResumeMixin, EvaluationMixin, L.LightningModule):
         pre_mean = lambda key: pre[key] / pre["weight"] if pre["weight"] else float("nan")  # noqa: E731
         rewards = rollout.rewards.float()
         group_std = rewards.view(-1, G).std(-1) if G > 1 else torch.zeros(rewards.numel())
-        lengths = rollout.completion_mask.sum(-1).float()
+        lengths = rollout.sampled_lengths().float()  # every generated completion (also DAPO's dropped groups)
         metrics = {
             "train/reward": rewards.mean(),
             # every sampled group's (DAPO's dynamic sampling trains on the mixed ones only)
@@ -379,7 +389,7 @@ class QeRLModule(ResumeMixin, EvaluationMixin, L.LightningModule):
             "train/is_ratio/mean": pre_mean("is_ratio"),
             "train/completion_length/mean": lengths.mean(),
             "train/completion_length/max": lengths.max(),
-            "train/clipped_ratio": rollout.truncated.float().mean(),
+            "train/clipped_ratio": rollout.sampled_truncated().float().mean(),
             "train/grad_norm": sum(grad_norms) / len(grad_norms) if grad_norms else float("nan"),
             "train/lr": lr,
             "train/groups_dropped": float(rollout.num_groups_dropped),

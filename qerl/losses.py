@@ -86,20 +86,22 @@ def group_advantages(
     if rewards.dim() != 1 or rewards.numel() % group_size != 0:
         shape = tuple(rewards.shape)
         raise ValueError(f"rewards must be 1-D with a multiple of {group_size=} elements, got {shape}")
-    rewards = rewards.float()
+    # float64: the fp32 mean of G equal rewards like 0.7 can be an ulp off, which the 1e-4 below
+    # would turn into a same-sign advantage of ~6e-4 for the whole group instead of 0
+    rewards = rewards.double()
     grouped = rewards.view(-1, group_size)  # (B, G)
     advantages = (grouped - grouped.mean(dim=1, keepdim=True)).view(-1)  # (B*G,)
     if scale == "none":
-        return advantages
+        return advantages.float()
     if scale == "group":
         std = grouped.std(dim=1, keepdim=True) if group_size > 1 else torch.zeros_like(grouped)  # (B, G)
         std = std.expand_as(grouped).reshape(-1)  # (B*G,)
     elif scale == "batch":
-        pool = rewards if batch_rewards is None else batch_rewards.float().reshape(-1)
+        pool = rewards if batch_rewards is None else batch_rewards.double().reshape(-1)
         std = pool.std() if pool.numel() > 1 else pool.new_zeros(())  # ()
     else:
         raise ValueError(f"unknown advantage scale {scale!r}; expected 'group', 'batch' or 'none'")
-    return advantages / (std + eps)
+    return (advantages / (std + eps)).float()
 
 
 def groups_with_signal(rewards: Tensor, group_size: int, eps: float = 1e-6) -> Tensor:
@@ -303,6 +305,13 @@ def policy_loss(
     """
     if old_logprobs is None:
         old_logprobs = logprobs.detach()
+    # Masked positions (padding, masked-out tokens) never reach exp() or the KL: where() in the sums
+    # hides their values in the forward, but their gradient would be 0 * inf = NaN for a padding
+    # log-prob of -200 or -inf. Here they take the old log-probs: ratio 1, no gradient.
+    valid = mask.bool()
+    logprobs = torch.where(valid, logprobs, old_logprobs.detach())
+    if ref_logprobs is not None:
+        ref_logprobs = torch.where(valid, ref_logprobs, old_logprobs.detach())
     if advantages.dim() == 1:
         advantages = advantages.unsqueeze(-1)  # (N, 1), broadcasts over T
     advantages = advantages.to(logprobs.dtype)

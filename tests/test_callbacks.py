@@ -86,6 +86,31 @@ def test_dynamic_sampling_ignores_length_shaping():
     assert batch["rollout"].prompts == ["y", "y"] and batch["rollout"].num_groups_dropped == 1
 
 
+def test_dynamic_sampling_keeps_the_truncation_of_dropped_groups_in_view():
+    """A group whose completions all hit max_new_tokens scores all-equal and is dropped: the clipped
+    ratio and lengths (and the truncation warning) still count it, over every generated completion."""
+    module = _module()
+    tok = module.tokenizer
+    enc = lambda s: tok(s)["input_ids"]  # noqa: E731
+    p_long, p_mixed = enc("x"), enc("y")
+    script = {tuple(p_long): [enc("bbbb"), enc("bbbb")], tuple(p_mixed): [enc("a"), enc("b")]}
+
+    class Truncating(ScriptedEngine):
+        def generate(self, prompt_ids, n, sampling, seed):
+            gen = super().generate(prompt_ids, n, sampling, seed)
+            gen.finish_reasons = ["length" if len(c) >= 4 else "stop" for c in gen.completion_ids]
+            return gen
+    cb = RolloutCallback(reward=CharIsA(), group_size=2, sampling=SamplingSettings(max_new_tokens=4),
+                         dynamic_sampling=True, max_refill_rounds=0)
+    cb.engine = Truncating(script)
+    batch = {"prompt_ids": [p_long, p_mixed], "prompts": ["x", "y"], "answers": ["-", "-"]}
+    cb.on_train_batch_start(_trainer([cb]), module, batch, 0)
+    r = batch["rollout"]
+    assert r.prompts == ["y", "y"] and not r.truncated.any()                 # the kept rows: none truncated
+    assert sorted(r.sampled_truncated().tolist()) == [False, False, True, True]   # what was generated
+    assert sorted(r.sampled_lengths().tolist()) == [1, 1, 4, 4]
+
+
 def test_overlong_shaping_adds_penalty_component():
     module = _module()
     tok = module.tokenizer

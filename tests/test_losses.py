@@ -87,6 +87,14 @@ def test_advantages_constant_rewards_are_zero_not_nan(scale):
     assert (adv == 0).all()
 
 
+@pytest.mark.parametrize("value,G", [(0.7, 16), (0.1, 7), (1 / 3, 5)])
+def test_advantages_of_equal_non_dyadic_rewards_are_exactly_zero(value, G):
+    """A group of equal rewards like 0.7 (not a sum of powers of two): an fp32 mean an ulp off would
+    give every sample the same ~6e-4 advantage after the division by std + 1e-4."""
+    for scale in ("group", "none"):
+        assert (group_advantages(torch.full((2 * G,), value), G, scale) == 0).all()
+
+
 def test_advantages_validates_input():
     with pytest.raises(ValueError):
         group_advantages(torch.zeros(5), 2)
@@ -442,3 +450,22 @@ def test_quantile_of_equals_torch_quantile_and_takes_any_length(n):
         assert torch.equal(quantile_of(values, q), torch.quantile(values, q)), (n, q)
     big = torch.arange(2**24 + 3, dtype=torch.float32)  # torch.quantile raises above 2^24 elements
     assert quantile_of(big, 0.5).item() == (2**24 + 2) / 2
+
+
+@pytest.mark.parametrize("aggregation", ["grpo", "dapo", "dr_grpo", "bnpo"])
+@pytest.mark.parametrize("ratio_level", ["token", "sequence"])
+def test_masked_positions_give_no_nan_gradient(aggregation, ratio_level):
+    """Padding log-probs of -200 or -inf next to a reference of -10 (k3 KL on): the loss and every
+    gradient stay finite, and the masked positions get exactly 0 (a where() in the sums alone would
+    pass back 0 * inf = NaN)."""
+    mask = torch.tensor([[True, True, False], [True, False, False]])
+    for pad in (-200.0, float("-inf")):
+        lp = torch.tensor([[-1.0, -2.0, pad], [-0.5, pad, pad]], requires_grad=True)
+        old = torch.tensor([[-1.1, -1.9, 0.0], [-0.4, 0.0, 0.0]])
+        ref = torch.full((2, 3), -10.0)
+        loss, metrics = policy_loss(lp, old, torch.tensor([1.0, -1.0]), mask, aggregation=aggregation,
+                                    ratio_level=ratio_level, ref_logprobs=ref, kl_coef=0.01,
+                                    max_completion_length=3, num_tokens_total=3, num_sequences_total=2)
+        loss.backward()
+        assert torch.isfinite(loss) and all(torch.isfinite(v) for v in metrics.values()), (pad, metrics)
+        assert torch.isfinite(lp.grad).all() and (lp.grad[~mask] == 0).all() and (lp.grad[mask] != 0).all(), lp.grad

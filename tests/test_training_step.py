@@ -274,6 +274,44 @@ def test_a_skipped_update_logs_no_partial_values(policy, mismatched, tmp_path):
     assert skipped.trainer.global_step == 2
 
 
+def test_completion_logprobs_feed_no_column_past_the_completion(policy, mismatched):
+    """The last completion token's logit would predict past the completion: the forward is fed one
+    column less than the window (its logits come out contiguous), and every valid log-prob equals
+    the one read off a full-width forward's logits."""
+    r = mismatched
+    input_ids, attention_mask = torch.cat([r.prompt_ids, r.completion_ids], 1), torch.cat([r.prompt_mask, r.completion_mask], 1)
+    probe = QeRLModule(model="tiny-qwen2", quantization="nvfp4", dtype="fp32")
+    probe.model = policy
+    fed = []
+    hook = policy.get_input_embeddings().register_forward_hook(lambda m, args, out: fed.append(args[0].shape))
+    try:
+        with torch.no_grad():
+            got, _ = probe.completion_logprobs(input_ids, attention_mask, r.completion_ids, temperature=1.0)
+            position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
+            logits = policy(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids).logits
+    finally:
+        hook.remove()
+    P = r.prompt_ids.shape[1]
+    want = torch.log_softmax(logits[:, P - 1:-1].float(), -1).gather(-1, r.completion_ids[..., None])[..., 0]
+    valid = r.completion_mask.bool()
+    leading_padding = int((~attention_mask.bool()).all(0).long().cumprod(0).sum())   # columns cut on the left
+    assert fed[0][1] == P + int(valid.sum(-1).max()) - 1 - leading_padding
+    assert torch.allclose(got[valid], want[valid], atol=1e-5)
+
+
+def test_logged_entropy_and_is_ratio_cover_every_sampled_token(policy, mismatched, tmp_path):
+    """train/entropy and train/is_ratio/mean describe the samples, not the loss's tokens: with every
+    completion truncated and ``mask_truncated`` no token trains (all-zero gradients), yet both are the
+    values of the run without the mask, finite, not 0/0."""
+    truncated = copy.deepcopy(mismatched)
+    truncated.truncated[:] = True
+    plain = fit(policy, truncated, tmp_path / "plain", mask_truncated=False)
+    masked = fit(policy, truncated, tmp_path / "masked", mask_truncated=True)
+    assert max_abs(masked.grads[0]) == 0.0
+    for key in ("train/entropy", "train/is_ratio/mean"):
+        assert math.isfinite(masked.logged[key]) and abs(masked.logged[key] - plain.logged[key]) <= 1e-6, key
+
+
 # ------------------------------------------------------------------------------------------------
 # importance sampling against the sampler's log-probs
 

@@ -141,10 +141,24 @@ class Rollout:
     # generated this step, before dynamic sampling kept the mixed ones: what the policy earns (the
     # kept groups' mean stays near 0.5 while accuracy climbs); None: the mean of ``rewards``
     sampled_reward: float | None = None
+    # every generated completion's length and truncation flag, (M,), before dynamic sampling: a group
+    # whose completions all hit max_new_tokens scores all-equal and is dropped first, so the kept
+    # rows alone would hide the truncation the clipped ratio and its warning are there to show;
+    # None: these rows are all that was generated
+    all_lengths: torch.Tensor | None = None
+    all_truncated: torch.Tensor | None = None
 
     def mean_sampled_reward(self) -> float:
         """``sampled_reward``, or the mean of ``rewards`` when nothing was filtered out."""
         return float(self.rewards.float().mean()) if self.sampled_reward is None else self.sampled_reward
+
+    def sampled_lengths(self) -> torch.Tensor:
+        """Every generated completion's length in tokens (``all_lengths``, or these rows')."""
+        return self.completion_mask.sum(-1) if self.all_lengths is None else self.all_lengths
+
+    def sampled_truncated(self) -> torch.Tensor:
+        """Every generated completion's truncation flag (``all_truncated``, or these rows')."""
+        return self.truncated if self.all_truncated is None else self.all_truncated
 
     def to(self, device: torch.device | str) -> "Rollout":
         for name in ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask", "sampler_logprobs", "rewards", "truncated"):
