@@ -200,7 +200,8 @@ def load_examples(
             (``"openai/gsm8k:main"`` selects config ``main``), or ``"synthetic-arithmetic"``.
         split: Split to load from a directory or dataset id (``<dir>/<split>.jsonl`` etc.); a
             single file is taken whole. For the synthetic set, the split picks the seed
-            (``train`` → 0, anything else → a different fixed seed), so val ≠ train.
+            (``train`` → 0, anything else → a different fixed seed), and the other splits hold
+            none of the problems of the default-size train set (``SYNTHETIC_DEFAULT_SIZE``).
         layout: ``auto`` / ``gsm8k`` / ``math`` / ``custom`` (see the module docstring).
         prompt_key: Field holding the question (required for ``custom``; overrides the default).
         answer_key: Field holding the answer (required for ``custom``; overrides the default).
@@ -219,8 +220,11 @@ def load_examples(
     if limit is not None and limit <= 0:
         raise ValueError(f"limit must be positive or None, got {limit}")
     if source == SYNTHETIC_SOURCE:
-        seed = 0 if split == "train" else 1 + sum(map(ord, split))
-        examples = synthetic_arithmetic(limit or SYNTHETIC_DEFAULT_SIZE, seed=seed)
+        if split == "train":
+            examples = synthetic_arithmetic(limit or SYNTHETIC_DEFAULT_SIZE, seed=0)
+        else:  # held out: none of the (default-size) train set's problems
+            train = frozenset(e.prompt for e in synthetic_arithmetic(SYNTHETIC_DEFAULT_SIZE, seed=0))
+            examples = synthetic_arithmetic(limit or SYNTHETIC_DEFAULT_SIZE, seed=1 + sum(map(ord, split)), exclude=train)
         return LoadedExamples(examples, num_rows=len(examples))
 
     resolved: str | None = None
@@ -271,19 +275,23 @@ def load_examples(
     return examples
 
 
-def synthetic_arithmetic(n: int, seed: int, max_operand: int = 20) -> list[PromptExample]:
+def synthetic_arithmetic(n: int, seed: int, max_operand: int = 20, exclude: frozenset[str] = frozenset()) -> list[PromptExample]:
     """``n`` problems like "What is 7 + 5?" (``+``, ``-``, ``*`` on 0..max_operand), answers ``str(int)``.
 
-    Deterministic in ``seed`` (Python's ``random.Random``; no global RNG is touched).
+    Deterministic in ``seed`` (Python's ``random.Random``; no global RNG is touched). Prompts in
+    ``exclude`` are redrawn (the held-out splits leave out the train set's problems).
     """
     rng = random.Random(seed)
     ops = {"+": lambda a, b: a + b, "-": lambda a, b: a - b, "*": lambda a, b: a * b}
+    if len(exclude) >= 3 * (max_operand + 1) ** 2:
+        raise ValueError("synthetic_arithmetic: every problem is excluded")
     out = []
-    for i in range(n):
+    while len(out) < n:
         a, b = rng.randint(0, max_operand), rng.randint(0, max_operand)
         op = rng.choice("+-*")
         prompt = f"What is {a} {op} {b}?"
-        out.append(PromptExample(prompt=prompt, answer=str(ops[op](a, b)), source=SYNTHETIC_SOURCE, index=i))
+        if prompt not in exclude:
+            out.append(PromptExample(prompt=prompt, answer=str(ops[op](a, b)), source=SYNTHETIC_SOURCE, index=len(out)))
     return out
 
 

@@ -41,9 +41,20 @@ def _read_jsonl(path: Path) -> Iterator[_RawRow]:
                 try:
                     row = json.loads(line)
                 except json.JSONDecodeError as e:
+                    # (the line without its newline: a truncated row's error is then at its end, not
+                    # at "column 1" of the line after it)
+                    e = _json_error(line.rstrip("\r\n")) or e
                     row = BadRow(f"invalid JSON ({e.msg} at column {e.colno})")
             yield index, f"{path}:{lineno}", row
             index += 1
+
+
+def _json_error(text: str) -> json.JSONDecodeError | None:
+    try:
+        json.loads(text)
+    except json.JSONDecodeError as e:
+        return e
+    return None
 
 
 def _read_json(path: Path) -> Iterator[_RawRow]:

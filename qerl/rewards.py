@@ -199,12 +199,17 @@ class MathAccuracy(RewardFunction):
     def _warm_up(self) -> None:
         # The first parse loads the ANTLR LaTeX grammar (~0.2 s); doing it outside the deadline
         # keeps the first real completion from timing out spuriously.
+        # It also proves math-verify works: a broken install would otherwise score every completion 0
+        # (each failure is only a rate-limited warning) and training would go on without a signal.
         if not self._warmed_up:
-            self._warmed_up = True
             try:
-                math_verify.verify(list(_parse_gold("1")), _parse_pred("\\boxed{1}"), timeout_seconds=None)
-            except Exception:  # noqa: BLE001 - warm-up is best effort
-                pass
+                ok = math_verify.verify(list(_parse_gold("1")), _parse_pred("\\boxed{1}"), timeout_seconds=None)
+            except Exception as e:  # noqa: BLE001
+                raise RuntimeError(f"MathAccuracy: math-verify fails on \\boxed{{1}} vs '1' ({type(e).__name__}: {e}); "
+                                   "check its install (pip install 'math-verify[antlr4_13_2]')") from e
+            if not ok:
+                raise RuntimeError("MathAccuracy: math-verify does not match \\boxed{1} with '1'; check its install")
+            self._warmed_up = True
 
     def score_one(self, completion: Any, gold: Any) -> float:
         """Score one completion; never raises (errors and timeouts give 0.0)."""
@@ -213,10 +218,12 @@ class MathAccuracy(RewardFunction):
         text = completion[-self.max_chars :] if self.max_chars > 0 else completion
         # Replace rather than add, in the box, an unboxed answer and the gold alike: math-verify 0.9
         # reads `5\,000` as 5*0 = 0 and `5\,001` as 6.
-        text, gold = _DIGIT_SEP_RE.sub("", text), _DIGIT_SEP_RE.sub("", gold)
+        text, gold = _DIGIT_SEP_RE.sub("", text), _SPACE_SEP_RE.sub("", _DIGIT_SEP_RE.sub("", gold))
         boxed = extract_boxed(text)
         if boxed is None and self.boxed_only:
             return 0.0
+        if boxed is not None:  # a plain space as the separator, only in the answer itself (`\boxed{12 345}`)
+            boxed = _SPACE_SEP_RE.sub("", boxed)
         # Re-box the extracted content so math-verify sees exactly the last box (its boxed regex
         # is brace-balanced) rather than whatever else the completion contains.
         pred_text = "\\boxed{" + boxed + "}" if boxed is not None else text
@@ -256,9 +263,12 @@ def _parse_gold(gold: str) -> tuple:
 # a digit and a group of exactly three digits is a thousands separator (`5\,000`, `1\,234.5`,
 # `5{,}000`, `1\ 000`); `(1,\,2)` and `5\,00` are left alone.
 _DIGIT_SEP_RE = re.compile(r"(?<=\d)(?:\\[,!:; ]|~|\{,\})(?=\d{3}(?!\d))")
+# The same with a plain, no-break or thin space (`12 345`: math-verify reads it as 12*345 -- 1 000 as
+# 0); applied to the box and the gold, not to free text, where "3 100-page books" is two numbers.
+_SPACE_SEP_RE = re.compile("(?<=\\d)[ \u00a0\u2009\u202f](?=\\d{3}(?!\\d))")
 _TEXT_RE = re.compile(r"\\(?:text|textrm|textbf|mbox|mathrm)\s*\{([^{}]*)\}")
 # A whole `\text{}`-unwrapped box that is one number, optionally followed by unit words.
-_NUMBER_UNITS_RE = re.compile(r"\s*(\\?\$?\s*[-+]?(?:\d[\d,]*(?:\.\d+)?|\.\d+))(?:\s+[A-Za-z][A-Za-z\s.]*)?")
+_NUMBER_UNITS_RE = re.compile(r"\s*(\\?\$?\s*[-+]?(?:\d[\d,]*(?:\.\d+)?|\.\d+))(?:\s+([A-Za-z][A-Za-z\s.]*))?")
 # A box without LaTeX: one number, then words whose first has 3+ letters (`18 dollars`, `5 USD`;
 # not `3 x`, `2 pi`, which are algebra) and none of which is maths or a magnitude (`2 sin x`,
 # `4 factorial`, `3 million`, `5 less than x` are other answers than the number).
@@ -282,7 +292,9 @@ def _text_number(boxed: str) -> str | None:
     if unwrapped == boxed:
         return None
     m = _NUMBER_UNITS_RE.fullmatch(unwrapped)
-    return m.group(1) if m else None
+    if m is None or any(w.lower() in _NOT_UNITS for w in re.findall(r"[A-Za-z]+", m.group(2) or "")):
+        return None  # (`\text{3 million}`, `\text{5 less than x}` are other answers than the number)
+    return m.group(1)
 
 
 def _hash_tail(text: str) -> str | None:

@@ -122,7 +122,9 @@ def test_malformed_rows_are_skipped_and_counted(tmp_path, caplog):
     assert ex.num_skipped == 3 and ex.num_rows == 5
     assert [e.index for e in ex] == [0, 4]
     text = caplog.text
-    assert f"{path}:2" in text and "invalid JSON" in text
+    # the truncated row's error is at its own end (column 39: past its 38 characters and the space
+    # written after them), not at "column 1" of the line after it
+    assert f"{path}:2" in text and "invalid JSON (Expecting value at column 39)" in text
     assert f"{path}:3" in text and "missing field 'answer'" in text
     assert f"{path}:4" in text
     assert "skipped 3 malformed of 5 rows" in text
@@ -235,6 +237,11 @@ def test_synthetic_is_deterministic_by_seed():
     assert load_examples("synthetic-arithmetic", limit=10) == load_examples("synthetic-arithmetic", limit=10)
     assert load_examples("synthetic-arithmetic", limit=10) != load_examples("synthetic-arithmetic", "test", limit=10)
     assert len(load_examples("synthetic-arithmetic")) == qdata.SYNTHETIC_DEFAULT_SIZE
+    # held out: no validation or test problem is one of the train set's
+    train = {e.prompt for e in load_examples("synthetic-arithmetic")}
+    for split in ("validation", "test"):
+        held_out = load_examples("synthetic-arithmetic", split)
+        assert len(held_out) == qdata.SYNTHETIC_DEFAULT_SIZE and not train & {e.prompt for e in held_out}
 
 
 # ------------------------------------------------------------------------------------------ prompts

@@ -181,6 +181,11 @@ GSM8K_DOLLAR_SPANS = (
         (r"\boxed{\text{5\,000 people}}", "5000"),
         (r"\boxed{1\ 000}", "1000"),  # control space and tie as separators
         (r"\boxed{1~000}", "1000"),
+        (r"\boxed{1 000}", "1000"),  # a plain (or no-break, thin) space in the box: math-verify reads 1*0
+        (r"\boxed{12 345}", "12345"),
+        ("\\boxed{1\u202f000\u00a0000}", "1000000"),
+        (r"\boxed{1000}", "1 000"),  # ... and in a gold
+        (r"I have 3 100-page books, so \boxed{300}", "300"),  # free text keeps its spaces
         (r"The answer is $5\,000$.", "5000"),  # unboxed, and after "####", alike
         (r"#### 5\,000", "5000"),
         (r"\boxed{5000}", r"5\,000"),  # a gold written with a separator
@@ -214,6 +219,11 @@ def test_accuracy_text_units_separators_hash_line(acc: MathAccuracy, completion:
         (r"\boxed{3 million}", "3"),
         (r"\boxed{5 less than x}", "5"),
         (r"\boxed{3 squared}", "3"),
+        (r"\boxed{\text{3 million}}", "3"),  # inside \text{} the same words are not units either
+        (r"\boxed{\text{5 less than x}}", "5"),
+        (r"\boxed{\text{5 or six}}", "5"),
+        (r"\boxed{1 000}", "0"),  # 1 000 is 1000, not 1*0
+        (r"\boxed{5 001}", "6"),
         (GSM8K_DOLLAR_SPANS.replace("#### 6", "#### 7"), "6"),
         (GSM8K_DOLLAR_SPANS.replace("#### 6", "#### 7"), "4"),  # earlier `$4.00` span no longer wins
     ],
@@ -393,3 +403,12 @@ def test_jsonargparse_instantiates_from_class_path() -> None:
     reward = parser.instantiate_classes(cfg).reward
     assert isinstance(reward, WeightedSum) and reward.rewards[0].boxed_only is True
     assert reward([r"\boxed{2}"], ["2"]) == pytest.approx([1.2])
+
+
+def test_a_broken_math_verify_fails_loudly(monkeypatch) -> None:
+    """math-verify that cannot match \\boxed{1} with '1' (a broken install) stops the run at the
+    first batch instead of scoring every completion 0 with rate-limited warnings."""
+    import qerl.rewards as R
+    monkeypatch.setattr(R.math_verify, "verify", lambda *a, **k: False)
+    with pytest.raises(RuntimeError, match="math-verify"):
+        MathAccuracy()(["\\boxed{1}"], ["1"])
