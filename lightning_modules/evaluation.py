@@ -100,6 +100,13 @@ def metrics_from_records(rows: list[dict], samples: int, pass_k) -> dict[str, fl
     return values
 
 
+def _column_order(metric: str) -> tuple:
+    """pass@1 (greedy) first, then mean@n, then pass@k by k (pass@2 before pass@16)."""
+    name, _, k = metric.partition("@")
+    rank = 0 if metric == "pass@1" else {"mean": 1, "pass": 2}.get(name, 3)
+    return (rank, int(k) if k.isdigit() else 0, metric)
+
+
 class EvaluationMixin:
     """validation_step / test_step for ``QeRLModule`` (expects ``model``, ``tokenizer``, ``eval_settings``)."""
 
@@ -204,7 +211,7 @@ class EvaluationMixin:
                        "max_new_tokens": s.max_new_tokens, "samples": s.samples, "temperature": s.temperature,
                        "top_p": s.top_p, "adapter_path": getattr(self, "adapter_path", None), "metrics": results,
                        "completions": self._eval_records}, f, indent=1)
-        keys = sorted({k for v in results.values() for k in v if k != "problems"})
+        keys = sorted({k for v in results.values() for k in v if k != "problems"}, key=_column_order)
         lines = [f"| dataset | problems | {' | '.join(keys)} |", "|---|---|" + "---|" * len(keys)]
         for name, values in results.items():
             lines.append(f"| {name} | {values['problems']} | " + " | ".join(f"{100 * values[k]:.1f}%" for k in keys) + " |")

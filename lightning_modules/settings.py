@@ -4,6 +4,7 @@ on them: pure data and functions, no Lightning state."""
 from __future__ import annotations
 
 import math
+import typing
 from dataclasses import dataclass
 from typing import Literal
 
@@ -63,6 +64,9 @@ class LossSettings:
     top_entropy_quantile: float = 1.0
 
     def __post_init__(self) -> None:  # a bad YAML value fails at start, naming its key
+        for key, allowed in _CHOICES.items():  # (the CLI checks these too; settings built in code do not)
+            if getattr(self, key) not in allowed:
+                raise ValueError(f"model.loss.{key} must be one of {', '.join(allowed)}, got {getattr(self, key)!r}")
         for key in ("updates_per_rollout", "micro_batch_size"):
             if int(getattr(self, key)) < 1:
                 raise ValueError(f"model.loss.{key} must be >= 1, got {getattr(self, key)}")
@@ -72,6 +76,10 @@ class LossSettings:
             raise ValueError(f"model.loss.top_entropy_quantile must be in (0, 1], got {self.top_entropy_quantile}")
         if self.clip_low < 0 or self.clip_high < 0 or self.kl_coef < 0 or self.entropy_coef < 0:
             raise ValueError("model.loss.clip_low, clip_high, kl_coef and entropy_coef must be >= 0")
+
+
+_CHOICES = {key: typing.get_args(typing.get_type_hints(LossSettings)[key])
+            for key in ("advantage_scale", "aggregation", "ratio_level", "tis_level", "tis_mode")}
 
 
 @dataclass

@@ -228,9 +228,13 @@ class MathAccuracy(RewardFunction):
         # is brace-balanced) rather than whatever else the completion contains.
         pred_text = "\\boxed{" + boxed + "}" if boxed is not None else text
 
+        # a gold with unit words (`5 dollars`, `\text{5 cm}`: custom sets) is its number, as a
+        # prediction's box is; math-verify alone reads `5 dollars` as 5*a*do*l*l*r*s
+        gold_text = _text_number(gold.strip()) or gold.strip()
+
         def run() -> bool:
             # verify() only treats a *list* as alternatives; a tuple would be one odd expression.
-            gold_parsed = list(_parse_gold(gold.strip()))
+            gold_parsed = list(_parse_gold(gold_text))
             if not gold_parsed:
                 return False
             return bool(math_verify.verify(gold_parsed, _parse_pred(pred_text, boxed), timeout_seconds=None))

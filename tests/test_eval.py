@@ -189,3 +189,11 @@ def test_validate_with_adapter_path_loads_the_trained_adapter_and_norms(tmp_path
     assert any("layernorm" in n for n in checked) and any("lora_B" in n for n in checked)
     for name in checked:
         assert torch.equal(got[name], want[name]), name
+
+
+def test_report_columns_in_reading_order():
+    """The markdown table: pass@1 (greedy) first, then mean@n, then pass@k by k, not as text."""
+    from lightning_modules.evaluation import _column_order
+
+    assert sorted(["pass@16", "mean@16", "pass@2", "pass@1", "pass@4"], key=_column_order) == [
+        "pass@1", "mean@16", "pass@2", "pass@4", "pass@16"]

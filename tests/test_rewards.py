@@ -186,6 +186,8 @@ GSM8K_DOLLAR_SPANS = (
         ("\\boxed{1\u202f000\u00a0000}", "1000000"),
         (r"\boxed{1000}", "1 000"),  # ... and in a gold
         (r"I have 3 100-page books, so \boxed{300}", "300"),  # free text keeps its spaces
+        (r"\boxed{5}", "5 dollars"),  # a gold with unit words is its number, as a box is
+        (r"\boxed{5 \text{ cm}}", r"\text{5 cm}"),
         (r"The answer is $5\,000$.", "5000"),  # unboxed, and after "####", alike
         (r"#### 5\,000", "5000"),
         (r"\boxed{5000}", r"5\,000"),  # a gold written with a separator
@@ -223,6 +225,8 @@ def test_accuracy_text_units_separators_hash_line(acc: MathAccuracy, completion:
         (r"\boxed{\text{5 less than x}}", "5"),
         (r"\boxed{\text{5 or six}}", "5"),
         (r"\boxed{1 000}", "0"),  # 1 000 is 1000, not 1*0
+        (r"\boxed{6}", "5 dollars"),
+        (r"\boxed{3}", "3 million"),  # a gold's magnitude words stay
         (r"\boxed{5 001}", "6"),
         (GSM8K_DOLLAR_SPANS.replace("#### 6", "#### 7"), "6"),
         (GSM8K_DOLLAR_SPANS.replace("#### 6", "#### 7"), "4"),  # earlier `$4.00` span no longer wins

@@ -430,3 +430,12 @@ def test_bad_eval_settings_fail_at_construction(bad):
 
     with pytest.raises(ValueError):
         EvalSettings(**bad)
+
+
+@pytest.mark.parametrize("bad", [dict(aggregation="dapo2"), dict(tis_level="seq"), dict(tis_mode="clip"),
+                                 dict(ratio_level="tokens"), dict(advantage_scale="std")])
+def test_bad_loss_choices_fail_at_construction(bad):
+    """Settings built in code get the choices the CLI checks (a bad tis_level with tis_cap null
+    would otherwise never fail)."""
+    with pytest.raises(ValueError, match=f"model.loss.{next(iter(bad))} must be one of"):
+        LossSettings(**bad, tis_cap=None)
