@@ -18,6 +18,9 @@ from safetensors.torch import load_file, save_file
 from qerl.model import LoraSettings, lora_config
 
 TRAINABLE_NORMS_FILE = "trainable_norms.safetensors"
+# The base an adapter was trained on, as qerl built it: {"model", "dtype", "seed"} (a tiny model's
+# weights are its seed's and its NVFP4 codes its dtype's; ``python -m qerl.export`` rebuilds that base)
+BASE_FILE = "qerl_base.json"
 _PEFT_PREFIX = "base_model.model."
 
 
@@ -42,18 +45,55 @@ def _is_adapter(name: str) -> bool:
     return any(p.startswith("lora_") for p in parts) or "modules_to_save" in parts
 
 
-def export_adapter(peft_model: nn.Module, out_dir: str | Path) -> Path:
+def export_adapter(peft_model: nn.Module, out_dir: str | Path, base: dict | None = None) -> Path:
     """peft ``save_pretrained`` of the adapter (``adapter_model.safetensors`` +
     ``adapter_config.json``); trainable non-LoRA parameters (the RMSNorm scales of
-    ``trainable_norms``) go to ``trainable_norms.safetensors`` under their HF names."""
+    ``trainable_norms``) go to ``trainable_norms.safetensors`` under their HF names. ``base``:
+    the base it was trained on ({"model", "dtype", "seed"}), recorded in ``qerl_base.json`` and as
+    peft's ``base_model_name_or_path`` (which a model built in code leaves empty)."""
     if not _is_peft(peft_model):
         raise ValueError("export_adapter needs a peft model")
     out = Path(out_dir)
+    if base and base.get("model"):
+        for config in peft_model.peft_config.values():
+            config.base_model_name_or_path = config.base_model_name_or_path or str(base["model"])
     peft_model.save_pretrained(out)
+    _write_base(out, base)
     norms = {hf_name(n): p.detach().cpu().contiguous() for n, p in peft_model.named_parameters()
              if p.requires_grad and not _is_adapter(n)}
     _write_trainable_norms(out, norms)
     return out
+
+
+def _write_base(out: Path, base: dict | None) -> None:
+    """``qerl_base.json`` beside an adapter, or none (an earlier run's file removed)."""
+    (out / BASE_FILE).unlink(missing_ok=True)
+    if base:
+        (out / BASE_FILE).write_text(json.dumps({k: base.get(k) for k in ("model", "dtype", "seed")}, indent=1) + "\n")
+
+
+def read_base(adapter_dir: str | Path) -> dict | None:
+    """The base an adapter directory records (``qerl_base.json``), or None (no file: not written by qerl)."""
+    try:
+        base = json.loads((Path(adapter_dir) / BASE_FILE).read_text())
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError) as err:
+        raise ValueError(f"{adapter_dir}/{BASE_FILE}: unreadable ({err})") from err
+    return base if isinstance(base, dict) else None
+
+
+def trained_seed(ckpt: dict) -> int | None:
+    """The seed QeRLModule built its tiny model with: its ``seed``, or when that is null the run's
+    ``seed_everything``, which the checkpoint holds only as the data module's resolved seed (when
+    ``data.seed`` was null too); None when neither is recorded."""
+    seed = (ckpt["hyper_parameters"] or {}).get("seed")
+    if seed is not None:
+        return int(seed)
+    data_hp = ckpt.get("datamodule_hyper_parameters")
+    data = ckpt.get("PromptDataModule")  # Lightning stores a data module's state under its class name
+    follows_run = isinstance(data_hp, dict) and "seed" in data_hp and data_hp["seed"] is None
+    return int(data["seed"]) if follows_run and isinstance(data, dict) and "seed" in data else None
 
 
 def _write_trainable_norms(out: Path, norms: dict[str, torch.Tensor]) -> None:
@@ -104,6 +144,7 @@ def adapter_from_checkpoint(ckpt_path: str | Path, out_dir: str | Path) -> Path:
     lora_config(settings, hp.get("model")).save_pretrained(str(out))
     save_file(adapter, str(out / "adapter_model.safetensors"), metadata={"format": "pt"})
     _write_trainable_norms(out, norms)
+    _write_base(out, {"model": hp.get("model"), "dtype": hp.get("dtype"), "seed": trained_seed(ckpt)})
     return out
 
 

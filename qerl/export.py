@@ -25,6 +25,7 @@ import argparse
 import json
 import logging
 import pickle
+import re
 import shutil
 import tempfile
 from collections.abc import Callable, Iterator
@@ -36,8 +37,8 @@ from safetensors.torch import save_file
 from transformers import PreTrainedTokenizerBase
 
 from qerl.adapter import (  # noqa: F401  (the adapter half of the export, re-exported here)
-    TRAINABLE_NORMS_FILE, _hf_model, _is_adapter, _is_peft, _load_checkpoint, adapter_from_checkpoint,
-    export_adapter, hf_name, load_adapter, load_adapter_into,
+    BASE_FILE, TRAINABLE_NORMS_FILE, _hf_model, _is_adapter, _is_peft, _load_checkpoint, adapter_from_checkpoint,
+    export_adapter, hf_name, load_adapter, load_adapter_into, read_base, trained_seed,
 )
 from qerl.model import SHARED_SCALE_GROUPS, _parse_dtype, load_policy
 from qerl.nvfp4 import BLOCK_SIZE, NVFP4WeightTensor
@@ -253,11 +254,38 @@ def _check_paths(parser: argparse.ArgumentParser, args: argparse.Namespace) -> N
         parser.error(f"--out {args.out} would overwrite the model being exported ({args.model})")
     if out.is_file() or (out.is_dir() and any(out.iterdir()) and not args.overwrite):
         parser.error(f"--out {args.out} exists and is not empty (pass --overwrite to replace an earlier export)")
+    foreign = sorted(p.name for p in out.iterdir() if not _written_by_export(p)) if out.is_dir() else []
+    if foreign:  # (a run's log folder, say: its adapter/ would go with the export's)
+        parser.error(f"--out {args.out} holds files no export writes ({', '.join(foreign[:3])}"
+                     f"{', ...' if len(foreign) > 3 else ''}): --overwrite replaces only an earlier export")
     if args.adapter and not is_ckpt and not (Path(args.adapter) / "adapter_config.json").is_file():
         parser.error(f"--adapter {args.adapter}: no adapter_config.json there (a peft adapter directory)")
     if args.adapter and args.format == "bf16" and not args.from_nvfp4:
         log.warning("--format bf16 --adapter: the adapter was trained on the NVFP4 base; --from-nvfp4 exports "
                     "that base (dequantized) instead of the original 16-bit weights")
+
+
+# What an export writes, all of which --overwrite replaces: the checkpoint, its config and tokenizer,
+# the adapter (in adapter/, or at the top with --format adapter) and what qerl writes beside it.
+_EXPORT_FILE = re.compile(
+    r"model(-\d+-of-\d+)?\.safetensors|model\.safetensors\.index\.json|(generation_)?config\.json"
+    r"|tokenizer(_config)?\.json|tokenizer\.model|special_tokens_map\.json|vocab\.json|merges\.txt"
+    r"|added_tokens\.json|chat_template\.jinja|adapter_config\.json|adapter_model\.safetensors"
+    rf"|{re.escape(TRAINABLE_NORMS_FILE)}|{re.escape(BASE_FILE)}|README\.md")
+
+
+def _written_by_export(path: Path) -> bool:
+    return (path.is_dir() and path.name == ADAPTER_SUBDIR) or (path.is_file() and bool(_EXPORT_FILE.fullmatch(path.name)))
+
+
+def _clear_earlier_export(out: Path) -> None:
+    """Remove what an earlier export left in ``out`` (``_check_paths`` refused anything else), so an
+    export of another format leaves no stale adapter or shard that a loader would pick up."""
+    for path in out.iterdir() if out.is_dir() else []:
+        if path.is_dir() and path.name == ADAPTER_SUBDIR:
+            shutil.rmtree(path)
+        elif _written_by_export(path):
+            path.unlink()
 
 
 # What an unreadable or foreign --adapter checkpoint raises (a one-line CLI error).
@@ -270,19 +298,6 @@ def _checkpoint_adapter(parser: argparse.ArgumentParser, ckpt: str, out: str | P
         return adapter_from_checkpoint(ckpt, out)
     except _CHECKPOINT_ERRORS as err:
         parser.error(f"cannot read the adapter of --adapter {ckpt}: {err}")
-
-
-def _trained_seed(ckpt: dict) -> int | None:
-    """The seed QeRLModule built its tiny model with: its ``seed``, or when that is null the run's
-    ``seed_everything``, which the checkpoint holds only as the data module's resolved seed (when
-    ``data.seed`` was null too); None when neither is recorded."""
-    seed = (ckpt["hyper_parameters"] or {}).get("seed")
-    if seed is not None:
-        return int(seed)
-    data_hp = ckpt.get("datamodule_hyper_parameters")
-    data = ckpt.get("PromptDataModule")  # Lightning stores a data module's state under its class name
-    follows_run = isinstance(data_hp, dict) and "seed" in data_hp and data_hp["seed"] is None
-    return int(data["seed"]) if follows_run and isinstance(data, dict) and "seed" in data else None
 
 
 def _same_model(a: str, b: str) -> bool:
@@ -313,37 +328,42 @@ def _check_trained_base(parser: argparse.ArgumentParser, args: argparse.Namespac
 
 def _base_settings(parser: argparse.ArgumentParser, args: argparse.Namespace) -> tuple[str, int]:
     """(dtype, seed) to build the base in, once --model is checked against the adapter's recorded base.
-    With a training checkpoint, the run's: NVFP4 codes of weights loaded (a .gguf dequantized) or
-    randomly initialised in another dtype differ, and a tiny model's weights are its seed's; ``--dtype``
-    then casts only the dense tensors written."""
+    With a training checkpoint, or an adapter directory qerl wrote (``qerl_base.json``), the run's:
+    NVFP4 codes of weights loaded (a .gguf dequantized) or randomly initialised in another dtype
+    differ, and a tiny model's weights are its seed's; ``--dtype`` then casts only the dense tensors
+    written."""
     seed = 0 if args.seed is None else args.seed
     if not args.adapter:
         return args.dtype, seed
-    if not str(args.adapter).endswith(".ckpt"):  # a peft adapter directory (checked by _check_paths)
+    if str(args.adapter).endswith(".ckpt"):
+        try:
+            ckpt = _load_checkpoint(args.adapter)
+        except _CHECKPOINT_ERRORS as err:
+            parser.error(f"cannot read the adapter of --adapter {args.adapter}: {err}")
+        hp = ckpt["hyper_parameters"] or {}
+        base = {"model": hp.get("model"), "dtype": hp.get("dtype"), "seed": trained_seed(ckpt)}
+    else:  # a peft adapter directory (checked by _check_paths)
         try:
             config = json.loads((Path(args.adapter) / "adapter_config.json").read_text())
+            base = read_base(args.adapter)
         except (OSError, ValueError) as err:
-            parser.error(f"cannot read --adapter {args.adapter}/adapter_config.json: {err}")
-        base = config.get("base_model_name_or_path") if isinstance(config, dict) else None
-        _check_trained_base(parser, args, base, strict=False)
-        return args.dtype, seed
-    try:
-        ckpt = _load_checkpoint(args.adapter)
-    except _CHECKPOINT_ERRORS as err:
-        parser.error(f"cannot read the adapter of --adapter {args.adapter}: {err}")
-    hp = ckpt["hyper_parameters"] or {}
-    dtype = hp.get("dtype") or args.dtype
-    _check_trained_base(parser, args, hp.get("model"), strict=True)
-    if args.model not in TINY_MODEL_NAMES or hp.get("model", args.model) != args.model:
+            parser.error(f"cannot read --adapter {args.adapter}: {err}")
+        if base is None:  # not written by qerl: only peft's record of the base's name
+            _check_trained_base(parser, args, config.get("base_model_name_or_path") if isinstance(config, dict) else None,
+                                strict=False)
+            return args.dtype, seed
+    dtype = base.get("dtype") or args.dtype
+    _check_trained_base(parser, args, base.get("model"), strict=True)
+    if args.model not in TINY_MODEL_NAMES or (base.get("model") or args.model) != args.model:
         return dtype, seed  # the run's seed built another model
-    trained = _trained_seed(ckpt)
+    trained = base.get("seed")
     if trained is None:
         if args.seed is None:
             log.warning("%s does not record its tiny model's seed: building seed 0 (else pass --seed)", args.adapter)
         return dtype, seed
     if args.seed is not None and args.seed != trained:
         parser.error(f"--seed {args.seed}, but --adapter {args.adapter} was trained on {args.model} of seed {trained}")
-    return dtype, trained
+    return dtype, int(trained)
 
 
 def main(argv: list[str] | None = None) -> Path:
@@ -367,6 +387,7 @@ def main(argv: list[str] | None = None) -> Path:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     _check_paths(parser, args)
     if args.format == "adapter":
+        _clear_earlier_export(Path(args.out))
         out = _checkpoint_adapter(parser, args.adapter, args.out)
         print(out)
         return out
@@ -383,7 +404,7 @@ def main(argv: list[str] | None = None) -> Path:
                 model = load_adapter(model, _checkpoint_adapter(parser, args.adapter, tmp) if is_ckpt else args.adapter)
             except ValueError as err:
                 parser.error(f"cannot load --adapter {args.adapter} onto --model {args.model}: {err}")
-    shutil.rmtree(Path(args.out) / ADAPTER_SUBDIR, ignore_errors=True)  # never leave an earlier run's adapter
+    _clear_earlier_export(Path(args.out))  # never leave an earlier export's adapter or shards
     export = export_nvfp4 if args.format == "nvfp4" else export_bf16
     out = export(model, tokenizer, args.out, dtype=args.dtype)
     print(out)

@@ -415,6 +415,20 @@ def test_cli_refuses_to_clobber(tmp_path, capsys):
     assert "--overwrite" in capsys.readouterr().err
     main(["--model", str(src), "--out", str(tmp_path / "old"), "--overwrite"])
     assert not (tmp_path / "old" / ADAPTER_SUBDIR).exists() and (tmp_path / "old" / "model.safetensors").exists()
+    # --overwrite replaces only an earlier export: a run's log folder (events file, its adapter/) is refused
+    run = tmp_path / "run"
+    (run / ADAPTER_SUBDIR).mkdir(parents=True)
+    (run / "events.out.tfevents.1").write_text("x")
+    with pytest.raises(SystemExit):
+        main(["--model", str(src), "--out", str(run), "--overwrite"])
+    assert "holds files no export writes (events.out.tfevents.1)" in capsys.readouterr().err
+    assert (run / ADAPTER_SUBDIR).is_dir()
+    # an export over one of another format leaves none of the other's files (a stale top-level
+    # adapter would be attached by transformers' from_pretrained)
+    for name in ("adapter_config.json", "adapter_model.safetensors", "qerl_base.json"):
+        (tmp_path / "old" / name).write_text("{}")
+    main(["--model", str(src), "--out", str(tmp_path / "old"), "--overwrite"])
+    assert sorted(p.name for p in (tmp_path / "old").iterdir()) == sorted(p.name for p in src.iterdir())
     with pytest.raises(SystemExit):
         main(["--model", str(tmp_path / "missing-model"), "--out", str(tmp_path / "y")])
     assert "cannot load --model" in capsys.readouterr().err
@@ -508,6 +522,13 @@ def test_checkpoint_export_rebuilds_the_trained_tiny_base(tmp_path, capsys, seed
         with pytest.raises(SystemExit):
             main(["--model", "tiny-qwen2", "--adapter", str(tmp_path / "last.ckpt"), "--out", str(tmp_path / "y"), *argv])
         assert problem in capsys.readouterr().err
+    # the adapter a fit writes at its end records that base too (qerl_base.json; peft's base name,
+    # which a model built in code leaves empty): exporting it builds the same fp32 base of that seed
+    adapter = export_adapter(trained, tmp_path / "adapter", base={"model": "tiny-qwen2", "dtype": "fp32", "seed": seed})
+    assert json.loads((adapter / "adapter_config.json").read_text())["base_model_name_or_path"] == "tiny-qwen2"
+    again = load_file(main(["--model", "tiny-qwen2", "--adapter", str(adapter), "--out", str(tmp_path / "z")])
+                      / "model.safetensors")
+    assert again.keys() == tensors.keys() and all(torch.equal(again[k], tensors[k]) for k in tensors)
 
 
 @pytest.mark.parametrize("content, problem", [
@@ -571,9 +592,14 @@ def test_adapter_trained_on_another_base_warns_or_is_refused(tmp_path, capsys, c
             warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
             assert warnings == ([f"--model {copy}, but --adapter {source} was trained on tiny-qwen2: exporting it "
                                  "onto --model (are they the same model?)"] if warned else []), warnings
+    capsys.readouterr()
+    with pytest.raises(SystemExit):  # qerl's record of the base (qerl_base.json), as a checkpoint's: refused
+        main(["--model", "tiny-llama", "--adapter", str(adapter), "--out", str(tmp_path / "out"), "--overwrite"])
+    assert "was trained on tiny-qwen2" in capsys.readouterr().err
+    (adapter / "qerl_base.json").unlink()
     caplog.clear()
     main(["--model", "tiny-llama", "--adapter", str(adapter), "--out", str(tmp_path / "out"), "--overwrite"])
-    assert "was trained on tiny-qwen2" in caplog.text  # a peft directory's record: a warning only
+    assert "was trained on tiny-qwen2" in caplog.text  # only peft's record of the base's name: a warning
 
     for name, config, problem in [
         ("wide", {"hidden_size": 96, "intermediate_size": 192},
