@@ -66,6 +66,8 @@ def check_ckpt_path(subcommand: str, ckpt_path: str | None, dirs: list[str]) -> 
         return
     if os.path.isdir(ckpt_path):
         raise ValueError(f"--ckpt_path {ckpt_path} is a directory: name a .ckpt file (or last)")
+    if "://" not in ckpt_path and not os.path.exists(ckpt_path):  # (a URL is Lightning's to fetch)
+        raise ValueError(f"--ckpt_path {ckpt_path}: no such file (before the model loads, not after)")
     if os.path.isfile(ckpt_path):
         try:
             torch.load(ckpt_path, map_location="cpu", weights_only=False)  # megabytes: only the trainable tensors
@@ -117,12 +119,17 @@ def cli_entry() -> None:
     after the current rollout batch, saves ``last`` and exits 143, not 0."""
     try:
         main()
-    except SIGTERMException:
+    except SIGTERMException as err:
         if os.environ.get("RANK", os.environ.get("LOCAL_RANK", "0")) == "0":  # once, not per DDP rank
-            fit = "fit" in sys.argv[1:2]
-            print("stopped by SIGTERM" + (" after a complete rollout batch (saved as `last` where the config saves "
-                                          "last checkpoints): resume with --ckpt_path last" if fit else ""),
-                  file=sys.stderr)
+            fit, step = "fit" in sys.argv[1:2], getattr(err, "qerl_validation_step", None)
+            if fit and step is not None:  # (callbacks.checkpoint.StepCheckpoint)
+                print(f"stopped by SIGTERM inside the validation at step {step}: nothing saved, and a resume from "
+                      f"a checkpoint of step {step} continues after that evaluation (`python train.py validate "
+                      f"--ckpt_path <its file>` recomputes it); resume with --ckpt_path last", file=sys.stderr)
+            else:
+                print("stopped by SIGTERM" + (" after a complete rollout batch (saved as `last` where the config saves "
+                                              "last checkpoints): resume with --ckpt_path last" if fit else ""),
+                      file=sys.stderr)
         sys.exit(143)
     except (ValueError, OSError, ModuleNotFoundError, MisconfigurationException) as err:
         if os.environ.get("QERL_TRACEBACK", "0") == "1":

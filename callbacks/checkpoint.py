@@ -39,8 +39,11 @@ class StepCheckpoint(ModelCheckpoint):
     def on_exception(self, trainer, pl_module, exception: BaseException) -> None:
         super().on_exception(trainer, pl_module, exception)  # save_on_exception, if asked for
         # Lightning raises SIGTERM's exception between training batches: the state is a whole
-        # rollout batch's, worth a resume (another exception may land inside an update)
-        # (not inside fit's validation: the resumed run would skip that evaluation instead of redoing it)
+        # rollout batch's, worth a resume (another exception may land inside an update). Not inside
+        # fit's validation: that `last` would resume after an evaluation that never finished; the
+        # exception carries the step instead, for the CLI's message (``train.cli_entry``)
+        if isinstance(exception, SIGTERMException) and trainer.state.fn == "fit" and trainer.validating:
+            exception.qerl_validation_step = trainer.global_step
         if (isinstance(exception, SIGTERMException) and self.save_last and trainer.state.fn == "fit"
                 and not trainer.validating):
             save_last, self.save_last = self.save_last, True  # a file of this step, not a link to an older one

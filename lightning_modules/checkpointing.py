@@ -5,7 +5,8 @@ rebuilt from ``model`` on resume, so a file is megabytes, not the model. With th
 (LoRA dropout draws from it) per rank, the silent-failure streaks and ``max_steps``. On resume the
 config is what runs: a changed lr, betas, weight decay or max_steps replaces the restored one
 (warned, like every other model setting that differs from the checkpoint's), and a checkpoint of
-another model or LoRA layout fails instead of loading nothing. A validation inside fit leaves the
+another model or LoRA layout, of another built-in tiny model or seed, or together with an
+``adapter_path`` the run did not start from, fails instead of training on something else. A validation inside fit leaves the
 training RNG stream as it found it, so a resume from that step draws what the straight run draws.
 """
 
@@ -17,6 +18,7 @@ import torch
 from lightning.pytorch.utilities import rank_zero_warn
 
 from lightning_modules.settings import apply_optimizer_settings, decay_flags, hparam_differences, split_one_group_state
+from qerl.model import TINY_MODEL_NAMES
 from qerl.seeding import global_rng_state, set_global_rng_state
 
 
@@ -53,6 +55,7 @@ class ResumeMixin:
             checkpoint["qerl_rng"] = global_rng_state()
         checkpoint["qerl_streaks"] = dict(self._streaks)
         checkpoint["qerl_settings"] = self._resolved_settings()
+        checkpoint["qerl_base"] = {"model": self.model_name, "dtype": self.dtype_name, "seed": self.seed}
         checkpoint["qerl_max_steps"] = self._trainer.max_steps if self._trainer is not None else None
         if self._world_size() > 1:
             states = [None] * self._world_size()
@@ -86,7 +89,13 @@ class ResumeMixin:
             if split and self.optim_settings.weight_decay > 0:
                 rank_zero_warn("the checkpoint decayed the trainable norm scales (one AdamW group); from here on "
                                "they get no weight decay, so the resumed run differs slightly from its straight run")
-        saved = _plain(dict(checkpoint.get("hyper_parameters") or {}))
+        hparams = dict(checkpoint.get("hyper_parameters") or {})
+        self._check_same_base(checkpoint.get("qerl_base") or {"model": hparams.get("model"), "seed": hparams.get("seed")})
+        if self.adapter_path and self.adapter_path != hparams.get("adapter_path"):
+            raise ValueError(f"model.adapter_path {self.adapter_path} with a checkpoint: the checkpoint's LoRA weights "
+                             "would replace that adapter's; leave out one of them (a resume of a run that started "
+                             "from an adapter names the same adapter_path)")
+        saved = _plain(hparams)
         if "qerl_settings" in checkpoint:
             saved.update(checkpoint["qerl_settings"])
         else:  # written before the resolved settings were saved: what ran then
@@ -103,6 +112,20 @@ class ResumeMixin:
             self._resume_rng = per_rank[self.global_rank]
         else:  # one process, or a different world size: one state for all
             self._resume_rng = checkpoint.get("qerl_rng")
+
+    def _check_same_base(self, base: dict) -> None:
+        """A built-in tiny model is a random init: the checkpoint's LoRA on another tiny model, or on
+        the same one of another seed, would train or evaluate on weights it never saw (same shapes,
+        so nothing else notices). Other model names only warn (a moved folder is the same model)."""
+        model, seed = base.get("model"), base.get("seed")
+        if model not in TINY_MODEL_NAMES or self.model_name not in TINY_MODEL_NAMES:
+            return
+        if model != self.model_name:
+            raise ValueError(f"the checkpoint was trained on {model}, this run builds {self.model_name}: its LoRA "
+                             "fits the shapes but not the weights")
+        if seed is not None and int(seed) != self.seed:
+            raise ValueError(f"the checkpoint was trained on {model} of seed {seed}, this run builds seed {self.seed} "
+                             "(model.seed, else seed_everything): another random base; set the seed it ran with")
 
     def on_train_batch_end(self, outputs, batch, batch_idx: int) -> None:
         # the global RNG as a checkpoint of this step holds it (ModelCheckpoint saved just before)

@@ -140,6 +140,15 @@ def test_resume_into_another_lora_layout_fails_clearly(tmp_path, monkeypatch):
         main(["fit", *fast_args(tmp_path, 2, ["--ckpt_path", "last", "--model.lora.rank=4"])])
     with pytest.raises(ValueError, match="of another shape"):
         main(["validate", *fast_args(tmp_path, 2, ["--ckpt_path", "last", "--model.lora.rank=4"])])
+    # another random tiny base of the same shapes: refused, not trained on
+    with pytest.raises(ValueError, match="trained on tiny-qwen2, this run builds tiny-llama"):
+        main(["validate", *fast_args(tmp_path, 2, ["--ckpt_path", "last", "--model.model=tiny-llama"])])
+    with pytest.raises(ValueError, match="of seed 0, this run builds seed 5"):
+        main(["validate", *fast_args(tmp_path, 2, ["--ckpt_path", "last", "--model.seed=5"])])
+    # an adapter_path the checkpoint's LoRA would silently replace
+    adapter = next(tmp_path.glob("logs/**/adapter"))  # the one the fit wrote at its end
+    with pytest.raises(ValueError, match="model.adapter_path .* with a checkpoint"):
+        main(["validate", *fast_args(tmp_path, 2, ["--ckpt_path", "last", f"--model.adapter_path={adapter}"])])
 
 
 def test_unusable_ckpt_paths_fail_before_the_run(tmp_path, monkeypatch):
@@ -151,6 +160,9 @@ def test_unusable_ckpt_paths_fail_before_the_run(tmp_path, monkeypatch):
         main(["fit", *fast_args(tmp_path, 1, ["--ckpt_path", str(tmp_path / "text.ckpt")])])
     with pytest.raises(ValueError, match="is a directory"):
         check_ckpt_path("fit", str(tmp_path), [])
+    with pytest.raises(ValueError, match="nope.ckpt: no such file"):  # before the model loads
+        check_ckpt_path("validate", str(tmp_path / "nope.ckpt"), [])
+    check_ckpt_path("fit", "s3://bucket/run/last.ckpt", [])  # a URL: Lightning's to fetch
     # validate / test of `last` with nothing saved would evaluate the untrained model
     with pytest.raises(ValueError, match="no last\\*.ckpt in .*ckpt: nothing to validate"):
         main(["validate", *fast_args(tmp_path, 1, ["--ckpt_path", "last"])])
@@ -178,7 +190,7 @@ def test_sigterm_stops_after_the_batch_and_saves_last(tmp_path, monkeypatch):
         cli.trainer.fit(cli.model, datamodule=cli.datamodule)
     assert torch.load(tmp_path / "ckpt" / "last.ckpt", weights_only=False)["global_step"] == 2
 
-    # inside fit's validation: nothing saved (a resume from the earlier checkpoint redoes that evaluation)
+    # inside fit's validation: nothing saved; the exception names the step for the CLI's message
     class TermInValidation(L.Callback):
         def on_validation_batch_end(self, trainer, *args):
             if not trainer.sanity_checking:
@@ -187,9 +199,10 @@ def test_sigterm_stops_after_the_batch_and_saves_last(tmp_path, monkeypatch):
     cli = main(fast_args(tmp_path / "val", 6, ["--trainer.val_check_interval=2"]), run=False)
     cli.trainer.checkpoint_callback._every_n_train_steps = 100
     cli.trainer.callbacks.append(TermInValidation())
-    with pytest.raises(SIGTERMException):
+    with pytest.raises(SIGTERMException) as stopped:
         cli.trainer.fit(cli.model, datamodule=cli.datamodule)
     assert not (tmp_path / "val" / "ckpt" / "last.ckpt").exists()
+    assert stopped.value.qerl_validation_step == 2
 
 
 def test_validate_a_checkpoint_is_labelled_with_its_step(tmp_path, monkeypatch):
@@ -250,3 +263,27 @@ def test_norm_scales_get_no_weight_decay_and_old_one_group_states_still_load():
     assert not torch.equal(params[0], before[0])
     only_matrices = [params[0], params[2]]
     assert len(param_groups(only_matrices, 0.1)) == 1  # LoRA alone: one group, as before
+
+
+@pytest.mark.parametrize("in_validation", [False, True])
+def test_sigterm_message_says_what_was_saved(monkeypatch, capsys, in_validation):
+    """The CLI's line on a SIGTERM: `last` after a rollout batch, nothing (and how to recover the
+    evaluation) inside a validation; exit 143 either way."""
+    import train
+    from lightning.pytorch.utilities.exceptions import SIGTERMException
+
+    def stopped():
+        err = SIGTERMException()
+        if in_validation:
+            err.qerl_validation_step = 10
+        raise err
+    monkeypatch.setattr(train, "main", stopped)
+    monkeypatch.setattr("sys.argv", ["train.py", "fit", "--config", "x.yaml"])
+    with pytest.raises(SystemExit) as code:
+        train.cli_entry()
+    assert code.value.code == 143
+    err = capsys.readouterr().err
+    if in_validation:
+        assert "inside the validation at step 10: nothing saved" in err and "validate --ckpt_path" in err
+    else:
+        assert "after a complete rollout batch (saved as `last`" in err
