@@ -63,9 +63,10 @@ class ResumeMixin:
             checkpoint["qerl_rng_per_rank"] = states
 
     def _resolved_settings(self) -> dict:
-        """The LoRA and loss settings that run, as dicts (hyper_parameters hold None for a section
-        the config left out): saved as ``qerl_settings`` and compared on resume."""
-        return {"lora": _plain(self.lora_settings), "loss": _plain(self.loss_settings)}
+        """The LoRA, loss, optimizer and eval settings that run, as dicts (hyper_parameters hold None
+        for a section the config left out): saved as ``qerl_settings`` and compared on resume."""
+        return {"lora": _plain(self.lora_settings), "loss": _plain(self.loss_settings),
+                "optimizer": _plain(self.optim_settings), "eval": _plain(self.eval_settings)}
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
         # strict_loading is off (the frozen base is not in the file): check the trainable tensors by
@@ -100,6 +101,11 @@ class ResumeMixin:
             saved.update(checkpoint["qerl_settings"])
         else:  # written before the resolved settings were saved: what ran then
             saved = _with_older_defaults(saved)
+        defaults = {"lora": self.lora_settings, "loss": self.loss_settings, "optimizer": self.optim_settings,
+                    "eval": self.eval_settings}
+        for section, current in defaults.items():  # a section its config left out ran the defaults
+            if section in saved and saved[section] is None:
+                saved[section] = _plain(type(current)())
         differences = hparam_differences({**_plain(dict(self.hparams)), **self._resolved_settings()}, saved)
         if differences:  # `last` and a file alike (the CLI no longer swaps in the checkpoint's values)
             rank_zero_warn("the checkpoint was trained with other model settings; the config's are used:\n  "

@@ -287,3 +287,30 @@ def test_sigterm_message_says_what_was_saved(monkeypatch, capsys, in_validation)
         assert "inside the validation at step 10: nothing saved" in err and "validate --ckpt_path" in err
     else:
         assert "after a complete rollout batch (saved as `last`" in err
+
+
+def test_settings_sections_left_out_compare_as_their_defaults():
+    """A config without a `model.optimizer` / `model.eval` section ran their defaults: resuming its
+    checkpoint (also one whose qerl_settings predate those sections) with the defaults written out
+    warns nothing; a real difference still does."""
+    import warnings
+
+    from lightning_modules.evaluation import EvalSettings
+    from lightning_modules.qerl_module import QeRLModule
+    from lightning_modules.settings import OptimizerSettings
+
+    def differences(module, ckpt):
+        with warnings.catch_warnings(record=True) as record:
+            warnings.simplefilter("always")
+            module.on_load_checkpoint(ckpt)
+        return " | ".join(str(w.message) for w in record)
+
+    kw = dict(model="tiny-qwen2", quantization="nvfp4", dtype="fp32")
+    first = QeRLModule(**kw)                                     # no optimizer / eval sections
+    ckpt = {"hyper_parameters": dict(first.hparams), "qerl_settings": first._resolved_settings()}
+    older = {**ckpt, "qerl_settings": {k: v for k, v in ckpt["qerl_settings"].items() if k in ("lora", "loss")}}
+    for saved in (ckpt, older):
+        assert differences(QeRLModule(**kw), saved) == ""
+        assert differences(QeRLModule(**kw, optimizer=OptimizerSettings(), eval=EvalSettings()), saved) == ""
+        text = differences(QeRLModule(**kw, optimizer=OptimizerSettings(lr=0.5)), saved)
+        assert "model.optimizer.lr: 0.5 (config) vs 1e-05 (checkpoint)" in text and "model.eval" not in text, text
