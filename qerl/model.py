@@ -91,6 +91,10 @@ def _model_source(name_or_path: str) -> tuple[str, dict]:
             raise FileNotFoundError(f"GGUF file not found: {name_or_path}")
         folder, gguf_file = os.path.split(os.path.abspath(path))
         return folder, {"gguf_file": gguf_file}
+    if os.path.isdir(path) and not os.path.isfile(os.path.join(path, "config.json")):
+        what = ("a peft adapter folder (give it as model.adapter_path, with its base as the model)"
+                if os.path.isfile(os.path.join(path, "adapter_config.json")) else "not a Hugging Face model folder")
+        raise ValueError(f"cannot load model {name_or_path!r}: the folder has no config.json: {what}")
     if os.path.exists(path):
         return path, {}
     if name_or_path.startswith("tiny-") and "/" not in name_or_path:  # (a hub owner may be tiny-...)
@@ -99,6 +103,9 @@ def _model_source(name_or_path: str) -> tuple[str, dict]:
         raise ValueError(f"unknown built-in model {name_or_path!r}{hint} (built-in: {', '.join(TINY_MODEL_NAMES)})")
     if name_or_path.startswith(_PATH_PREFIXES):
         raise ValueError(f"cannot load model {name_or_path!r}: no such file or directory")
+    if "/" in name_or_path and os.path.isdir(name_or_path.split("/", 1)[0]):  # `runs/model` with a typo after runs/
+        raise ValueError(f"cannot load model {name_or_path!r}: no such file or directory (./{name_or_path.split('/', 1)[0]} "
+                         "exists, so this is a path, not a Hugging Face id)")
     if not _HUB_ID.fullmatch(name_or_path):
         raise ValueError(f"cannot load model {name_or_path!r}: no such local file or directory, and not a Hugging "
                          f"Face id (owner/name, e.g. Qwen/Qwen2.5-7B-Instruct) or a tiny model name "

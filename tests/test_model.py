@@ -203,6 +203,23 @@ def test_unknown_model_path_is_one_clear_error(tmp_path):
         load_base_model(str(tmp_path / "no-such-model"))
     with pytest.raises(FileNotFoundError, match="GGUF file not found"):
         load_base_model(str(tmp_path / "missing.gguf"))
+    # a folder that is no model: said at once, not through a tokenizer error cut off mid-sentence
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ValueError, match="the folder has no config.json: not a Hugging Face model folder"):
+        load_base_model(str(tmp_path / "empty"))
+    (tmp_path / "adapter").mkdir()
+    (tmp_path / "adapter" / "adapter_config.json").write_text("{}")
+    with pytest.raises(ValueError, match="a peft adapter folder .give it as model.adapter_path"):
+        load_base_model(str(tmp_path / "adapter"))
+
+
+def test_a_relative_path_typo_is_not_sent_to_the_hub(tmp_path, monkeypatch):
+    """`runs/modle` whose first part is a local folder is a path typo, refused at once (as an
+    owner/name id it would retry the hub for most of a minute offline)."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "runs").mkdir()
+    with pytest.raises(ValueError, match="'runs/modle': no such file or directory"):
+        load_base_model("runs/modle")
 
 
 def test_unknown_quantization_rejected():
