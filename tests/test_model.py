@@ -382,6 +382,7 @@ def test_misspelled_and_impossible_model_names_fail_without_a_hub_lookup(tmp_pat
             with pytest.raises(HubLookup):
                 load(hub_id)
     (tmp_path / "models" / "m").mkdir(parents=True)
+    (tmp_path / "models" / "m" / "config.json").write_text("{}")  # a model folder (an empty one is refused)
     monkeypatch.setenv("HOME", str(tmp_path))
     with pytest.raises(HubLookup) as found:
         load_tokenizer("~/models/m")

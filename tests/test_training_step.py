@@ -153,15 +153,19 @@ def assert_same_update(a: SimpleNamespace, b: SimpleNamespace, what: str) -> Non
     """Same gradients at every optimizer step (to fp32 summation order), same LoRA weights after.
     From the second update on the tolerance is 10x looser: AdamW's first step (lr * g / (|g| + eps))
     turns summation-order rounding in near-zero gradient entries into weight differences of up to
-    1e-2 * LR, which the next gradient sees (measured: 1.75e-7 against a scale of 1.2e-2, run to run)."""
+    a good part of a step, which the next gradient sees (measured: 1.75e-7 against a scale of 1.2e-2, run to run)."""
     assert len(a.grads) == len(b.grads)
     for u, (ga, gb) in enumerate(zip(a.grads, b.grads)):
         scale = max_abs(ga)
         assert scale > 0, f"{what}: update {u} has an all-zero gradient"
         assert max_diff(ga, gb) <= (1e-5 if u == 0 else 1e-4) * scale, (what, u, max_diff(ga, gb), scale)
-    # AdamW's first step is lr * g / (|g| + eps): it turns fp32 rounding in a near-zero gradient
-    # entry into a visible weight difference, hence a tolerance in units of the step size.
-    assert max_diff(a.after, b.after) <= 1e-2 * LR, (what, max_diff(a.after, b.after))
+    # AdamW's first step is lr * g / (|g| + eps): it turns fp32 rounding in a gradient entry near eps
+    # into a weight difference of up to a good part of a step (MKL's summation order depends on the
+    # buffers' alignment, so such an entry differs from run to run: 2e-2 * LR seen), so the largest
+    # difference gets a tolerance in units of the step size and the mean a tight one: an update that
+    # really differs moves most entries by ~LR.
+    diffs = torch.cat([(x - y).abs().flatten() for x, y in zip(a.after, b.after, strict=True)])
+    assert diffs.max() <= 0.1 * LR and diffs.mean() <= 1e-3 * LR, (what, float(diffs.max()), float(diffs.mean()))
 
 
 def assert_different_update(a: SimpleNamespace, b: SimpleNamespace, what: str) -> None:
