@@ -4,6 +4,7 @@
 import glob
 import logging
 import os
+import re
 import sys
 
 import torch
@@ -15,24 +16,19 @@ from lightning_modules.data import PromptDataModule
 from lightning_modules.qerl_module import QeRLModule
 
 
+_UNION_LIST = re.compile(r"Does not validate against any of the Union subtypes Subtypes: .*? Errors: - ")
+_OTHER_REASONS = re.compile(r" - Expected a | Given value type: | - Not a valid subclass ")
+
+
 def condensed(message: str) -> str:
-    """jsonargparse's error without the noise: a union error lists every subtype it tried and dumps
-    the whole given value (the callback list with object addresses); keep its key and first reason."""
-    if "Does not validate against any of the Union subtypes" not in message:
-        return message
-    lines = message.splitlines()
-    head = lines[0] if lines[0].startswith("Parser key") else ""
-    try:
-        start = next(i for i, line in enumerate(lines) if line.lstrip().startswith("- "))
-    except StopIteration:
-        return message
-    indent = len(lines[start]) - len(lines[start].lstrip())
-    reason = [lines[start].strip()[2:]]
-    for line in lines[start + 1:]:  # the first reason's continuation lines are indented deeper
-        if len(line) - len(line.lstrip()) <= indent:
-            break
-        reason.append(line.strip())
-    return " ".join([head, *reason]).strip()
+    """jsonargparse's error without the noise: a union error lists every subtype it tried, each
+    one's reason and the whole given value (the callback list with object addresses), nested once
+    per level (a callback's controller). One line: the keys and the first reason at each level."""
+    folded = " ".join(message.split())  # (one line also for the plain `Parser key "x": Expected ...`)
+    if "Does not validate against any of the Union subtypes" not in folded:
+        return folded
+    folded = _UNION_LIST.sub("", folded)  # every level's subtype list goes
+    return _OTHER_REASONS.split(folded, maxsplit=1)[0].strip()  # the first reason, not the alternatives
 
 
 class QeRLParser(LightningArgumentParser):

@@ -75,3 +75,20 @@ def test_vllm_recipe_parses_without_importing_vllm(path, tmp_path, monkeypatch):
     aqn = next(cb for cb in cli.trainer.callbacks if type(cb).__name__ == "AQNCallback")
     assert aqn.scale_precision == "bf16"  # noise survives vLLM's bf16 norms
     assert "vllm" not in sys.modules
+
+
+def test_nested_config_errors_are_one_short_line(tmp_path, capsys):
+    """A class_path typo inside a callback's init_args (a union inside a union) and a bad Literal:
+    one line naming the keys and the reason, not the subtype lists, alternatives and given values."""
+    src = (CONFIGS[0].parent / "quickstart.yaml").read_text()
+    for edit, reason in [(("qerl.aqn.ExponentialSchedule", "qerl.aqn.ExponentialSchedul"),
+                          "Parser key \"controller\": Problem with given class_path 'qerl.aqn.ExponentialSchedul': "
+                          "module 'qerl.aqn' has no attribute 'ExponentialSchedul'"),
+                         (("quantization: nvfp4", "quantization: nvfp5"),
+                          "Parser key \"model.quantization\": Expected a typing.Literal['bf16', 'nf4', 'nvfp4']. Got value: nvfp5")]:
+        path = tmp_path / "bad.yaml"
+        path.write_text(src.replace(*edit))
+        with pytest.raises(SystemExit):
+            main(["fit", "--config", str(path), "--print_config"])
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1 and reason in err and "Subtypes" not in err and "Given value" not in err, err
