@@ -53,7 +53,7 @@ def check_ckpt_path(subcommand: str, ckpt_path: str | None, dirs: list[str]) -> 
     a file that is a directory or not a readable checkpoint; ``last`` for validate / test when the
     checkpoint folders hold none (Lightning would evaluate the untrained model). ``fit`` with
     ``last`` and nothing saved yet starts from scratch, as Lightning does."""
-    if not ckpt_path or ckpt_path in ("best", "hpc", "registry"):
+    if not ckpt_path or ckpt_path in ("best", "hpc", "registry") or ckpt_path.startswith("registry:"):
         return
     if ckpt_path == "last":
         if subcommand != "fit" and dirs and not any(glob.glob(os.path.join(d, "last*.ckpt")) for d in dirs):

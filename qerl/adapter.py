@@ -83,6 +83,16 @@ def read_base(adapter_dir: str | Path) -> dict | None:
     return base if isinstance(base, dict) else None
 
 
+def checkpoint_base(ckpt: dict) -> dict:
+    """The base a training checkpoint's run built ({"model", "dtype", "seed"}): its ``qerl_base``
+    record, or for older files what its hyper-parameters and data module say."""
+    hp = ckpt.get("hyper_parameters") or {}
+    recorded = ckpt.get("qerl_base")
+    if isinstance(recorded, dict):
+        return {"model": recorded.get("model"), "dtype": recorded.get("dtype"), "seed": recorded.get("seed")}
+    return {"model": hp.get("model"), "dtype": hp.get("dtype"), "seed": trained_seed(ckpt)}
+
+
 def trained_seed(ckpt: dict) -> int | None:
     """The seed QeRLModule built its tiny model with: its ``seed``, or when that is null the run's
     ``seed_everything``, which the checkpoint holds only as the data module's resolved seed (when
@@ -144,7 +154,7 @@ def adapter_from_checkpoint(ckpt_path: str | Path, out_dir: str | Path) -> Path:
     lora_config(settings, hp.get("model")).save_pretrained(str(out))
     save_file(adapter, str(out / "adapter_model.safetensors"), metadata={"format": "pt"})
     _write_trainable_norms(out, norms)
-    _write_base(out, {"model": hp.get("model"), "dtype": hp.get("dtype"), "seed": trained_seed(ckpt)})
+    _write_base(out, checkpoint_base(ckpt))
     return out
 
 

@@ -38,7 +38,7 @@ from transformers import PreTrainedTokenizerBase
 
 from qerl.adapter import (  # noqa: F401  (the adapter half of the export, re-exported here)
     BASE_FILE, TRAINABLE_NORMS_FILE, _hf_model, _is_adapter, _is_peft, _load_checkpoint, adapter_from_checkpoint,
-    export_adapter, hf_name, load_adapter, load_adapter_into, read_base, trained_seed,
+    _write_base, checkpoint_base, export_adapter, hf_name, load_adapter, load_adapter_into, read_base,
 )
 from qerl.model import SHARED_SCALE_GROUPS, _parse_dtype, load_policy
 from qerl.nvfp4 import BLOCK_SIZE, NVFP4WeightTensor
@@ -288,6 +288,21 @@ def _clear_earlier_export(out: Path) -> None:
             path.unlink()
 
 
+def _replace_export(out: Path, write) -> Path:
+    """``write(folder)`` into a new folder beside ``out``; only once it succeeded, the earlier export in
+    ``out`` (``_check_paths`` refused anything else) is removed and the new files moved in: an
+    unreadable checkpoint or a failed export leaves the earlier one as it was."""
+    out = out.expanduser()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix=f".{out.name}.", dir=out.parent) as tmp:
+        write(Path(tmp))
+        _clear_earlier_export(out)
+        out.mkdir(exist_ok=True)
+        for path in Path(tmp).iterdir():
+            shutil.move(str(path), str(out / path.name))
+    return out
+
+
 # What an unreadable or foreign --adapter checkpoint raises (a one-line CLI error).
 _CHECKPOINT_ERRORS = (OSError, RuntimeError, ValueError, TypeError, KeyError, pickle.UnpicklingError)
 
@@ -340,8 +355,7 @@ def _base_settings(parser: argparse.ArgumentParser, args: argparse.Namespace) ->
             ckpt = _load_checkpoint(args.adapter)
         except _CHECKPOINT_ERRORS as err:
             parser.error(f"cannot read the adapter of --adapter {args.adapter}: {err}")
-        hp = ckpt["hyper_parameters"] or {}
-        base = {"model": hp.get("model"), "dtype": hp.get("dtype"), "seed": trained_seed(ckpt)}
+        base = checkpoint_base(ckpt)
     else:  # a peft adapter directory (checked by _check_paths)
         try:
             config = json.loads((Path(args.adapter) / "adapter_config.json").read_text())
@@ -387,8 +401,7 @@ def main(argv: list[str] | None = None) -> Path:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     _check_paths(parser, args)
     if args.format == "adapter":
-        _clear_earlier_export(Path(args.out))
-        out = _checkpoint_adapter(parser, args.adapter, args.out)
+        out = _replace_export(Path(args.out), lambda tmp: _checkpoint_adapter(parser, args.adapter, tmp))
         print(out)
         return out
     quantization = "nvfp4" if args.format == "nvfp4" or args.from_nvfp4 else "bf16"
@@ -404,9 +417,13 @@ def main(argv: list[str] | None = None) -> Path:
                 model = load_adapter(model, _checkpoint_adapter(parser, args.adapter, tmp) if is_ckpt else args.adapter)
             except ValueError as err:
                 parser.error(f"cannot load --adapter {args.adapter} onto --model {args.model}: {err}")
-    _clear_earlier_export(Path(args.out))  # never leave an earlier export's adapter or shards
     export = export_nvfp4 if args.format == "nvfp4" else export_bf16
-    out = export(model, tokenizer, args.out, dtype=args.dtype)
+
+    def write(tmp: Path) -> None:
+        export(model, tokenizer, tmp, dtype=args.dtype)
+        if args.adapter and (tmp / ADAPTER_SUBDIR).is_dir():  # the base it runs on, for a later export
+            _write_base(tmp / ADAPTER_SUBDIR, {"model": args.model, "dtype": base_dtype, "seed": seed})
+    out = _replace_export(Path(args.out), write)
     print(out)
     return out
 

@@ -299,7 +299,9 @@ def fused_ops(model: torch.nn.Module):
     try:
         for module in model.modules():
             if "forward" in vars(module) and not hasattr(module, "aqn_eps"):
-                continue                                   # someone else's instance forward: leave it
+                continue                                   # someone else's instance forward (or ours): leave it
+            if hasattr(module, "_qerl_eps"):
+                continue                                   # patched by a block around a model that holds this one
             if _is_rms_norm(module):
                 module._qerl_eps = _eps(module)
                 module._qerl_unfused = module.__dict__.get("forward")     # AQN's wrapper, or None

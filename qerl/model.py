@@ -103,9 +103,6 @@ def _model_source(name_or_path: str) -> tuple[str, dict]:
         raise ValueError(f"unknown built-in model {name_or_path!r}{hint} (built-in: {', '.join(TINY_MODEL_NAMES)})")
     if name_or_path.startswith(_PATH_PREFIXES):
         raise ValueError(f"cannot load model {name_or_path!r}: no such file or directory")
-    if "/" in name_or_path and os.path.isdir(name_or_path.split("/", 1)[0]):  # `runs/model` with a typo after runs/
-        raise ValueError(f"cannot load model {name_or_path!r}: no such file or directory (./{name_or_path.split('/', 1)[0]} "
-                         "exists, so this is a path, not a Hugging Face id)")
     if not _HUB_ID.fullmatch(name_or_path):
         raise ValueError(f"cannot load model {name_or_path!r}: no such local file or directory, and not a Hugging "
                          f"Face id (owner/name, e.g. Qwen/Qwen2.5-7B-Instruct) or a tiny model name "

@@ -429,6 +429,12 @@ def test_cli_refuses_to_clobber(tmp_path, capsys):
         (tmp_path / "old" / name).write_text("{}")
     main(["--model", str(src), "--out", str(tmp_path / "old"), "--overwrite"])
     assert sorted(p.name for p in (tmp_path / "old").iterdir()) == sorted(p.name for p in src.iterdir())
+    # an export that fails (an unreadable checkpoint) leaves the earlier one as it was
+    (tmp_path / "bad.ckpt").write_text("not a checkpoint")
+    with pytest.raises(SystemExit):
+        main(["--format", "adapter", "--adapter", str(tmp_path / "bad.ckpt"), "--out", str(tmp_path / "old"), "--overwrite"])
+    assert sorted(p.name for p in (tmp_path / "old").iterdir()) == sorted(p.name for p in src.iterdir())
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".old.")]   # no half-written folder left
     with pytest.raises(SystemExit):
         main(["--model", str(tmp_path / "missing-model"), "--out", str(tmp_path / "y")])
     assert "cannot load --model" in capsys.readouterr().err
@@ -507,8 +513,13 @@ def test_checkpoint_export_rebuilds_the_trained_tiny_base(tmp_path, capsys, seed
     module.model = trained
     ckpt = {"state_dict": module.state_dict(), "hyper_parameters": dict(module.hparams)}
     module.on_save_checkpoint(ckpt)
-    if seed_from == "seed_everything":  # what Lightning stores of the data module (its seed null too)
+    if seed_from == "seed_everything":  # what Lightning stores of the data module (its seed null too),
         ckpt.update(datamodule_hyper_parameters={"seed": None}, PromptDataModule={"seed": seed})
+        del ckpt["qerl_base"]          # in a file from before the run's base was recorded
+    else:  # the run's record wins over what the hyper-parameters and data module say
+        assert ckpt["qerl_base"] == {"model": "tiny-qwen2", "dtype": "fp32", "seed": seed}
+        ckpt.update(datamodule_hyper_parameters={"seed": 7}, PromptDataModule={"seed": 7})
+        ckpt["hyper_parameters"]["seed"] = None
     torch.save(ckpt, tmp_path / "last.ckpt")
 
     out = main(["--model", "tiny-qwen2", "--adapter", str(tmp_path / "last.ckpt"), "--out", str(tmp_path / "x")])

@@ -142,6 +142,8 @@ _INTERP_SCRIPT = _COMMON + textwrap.dedent("""
             if fused:
                 with fused_ops(model) as nested:                               # a block inside a block: no-op
                     assert nested == (0, 0, False)
+                with fused_ops(model.base_model.model) as inner:               # ... also on a model it holds
+                    assert inner[:2] == (0, 0), inner
             logits = model(input_ids=ids).logits
             (logits.float().log_softmax(-1)[..., :7] * torch.arange(7.0)).sum().backward()
         return patched, {{n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}}

@@ -213,15 +213,6 @@ def test_unknown_model_path_is_one_clear_error(tmp_path):
         load_base_model(str(tmp_path / "adapter"))
 
 
-def test_a_relative_path_typo_is_not_sent_to_the_hub(tmp_path, monkeypatch):
-    """`runs/modle` whose first part is a local folder is a path typo, refused at once (as an
-    owner/name id it would retry the hub for most of a minute offline)."""
-    monkeypatch.chdir(tmp_path)
-    (tmp_path / "runs").mkdir()
-    with pytest.raises(ValueError, match="'runs/modle': no such file or directory"):
-        load_base_model("runs/modle")
-
-
 def test_unknown_quantization_rejected():
     with pytest.raises(ValueError, match="unknown quantization"):
         load_policy("tiny-qwen2", "int3")

@@ -162,7 +162,8 @@ def test_unusable_ckpt_paths_fail_before_the_run(tmp_path, monkeypatch):
         check_ckpt_path("fit", str(tmp_path), [])
     with pytest.raises(ValueError, match="nope.ckpt: no such file"):  # before the model loads
         check_ckpt_path("validate", str(tmp_path / "nope.ckpt"), [])
-    check_ckpt_path("fit", "s3://bucket/run/last.ckpt", [])  # a URL: Lightning's to fetch
+    check_ckpt_path("fit", "s3://bucket/run/last.ckpt", [])  # a URL or a model registry: Lightning's to fetch
+    check_ckpt_path("fit", "registry:qerl-policy:v3", [])
     # validate / test of `last` with nothing saved would evaluate the untrained model
     with pytest.raises(ValueError, match="no last\\*.ckpt in .*ckpt: nothing to validate"):
         main(["validate", *fast_args(tmp_path, 1, ["--ckpt_path", "last"])])
