@@ -42,10 +42,11 @@ class StepCheckpoint(ModelCheckpoint):
         # rollout batch's, worth a resume (another exception may land inside an update). Not inside
         # fit's validation: that `last` would resume after an evaluation that never finished; the
         # exception carries the step instead, for the CLI's message (``train.cli_entry``)
-        if isinstance(exception, SIGTERMException) and trainer.state.fn == "fit" and trainer.validating:
+        if not (isinstance(exception, SIGTERMException) and trainer.state.fn == "fit"):
+            return
+        if trainer.validating:
             exception.qerl_validation_step = trainer.global_step
-        if (isinstance(exception, SIGTERMException) and self.save_last and trainer.state.fn == "fit"
-                and not trainer.validating):
+        elif self.save_last:
             save_last, self.save_last = self.save_last, True  # a file of this step, not a link to an older one
             try:
                 self._save_last_checkpoint(trainer, self._monitor_candidates(trainer))

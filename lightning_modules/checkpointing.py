@@ -55,18 +55,26 @@ class ResumeMixin:
             checkpoint["qerl_rng"] = global_rng_state()
         checkpoint["qerl_streaks"] = dict(self._streaks)
         checkpoint["qerl_settings"] = self._resolved_settings()
-        checkpoint["qerl_base"] = {"model": self.model_name, "dtype": self.dtype_name, "seed": self.seed}
+        checkpoint["qerl_base"] = self.base_record()
         checkpoint["qerl_max_steps"] = self._trainer.max_steps if self._trainer is not None else None
         if self._world_size() > 1:
             states = [None] * self._world_size()
             torch.distributed.all_gather_object(states, checkpoint["qerl_rng"])
             checkpoint["qerl_rng_per_rank"] = states
 
+    def base_record(self) -> dict:
+        """The base this run builds ({"model", "dtype", "seed"}): saved with checkpoints (``qerl_base``)
+        and the final adapter (``qerl_base.json``), read back by resume and ``python -m qerl.export``."""
+        return {"model": self.model_name, "dtype": self.dtype_name, "seed": self.seed}
+
+    def _settings_sections(self) -> dict:
+        return {"lora": self.lora_settings, "loss": self.loss_settings, "optimizer": self.optim_settings,
+                "eval": self.eval_settings}
+
     def _resolved_settings(self) -> dict:
         """The LoRA, loss, optimizer and eval settings that run, as dicts (hyper_parameters hold None
         for a section the config left out): saved as ``qerl_settings`` and compared on resume."""
-        return {"lora": _plain(self.lora_settings), "loss": _plain(self.loss_settings),
-                "optimizer": _plain(self.optim_settings), "eval": _plain(self.eval_settings)}
+        return {section: _plain(settings) for section, settings in self._settings_sections().items()}
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
         # strict_loading is off (the frozen base is not in the file): check the trainable tensors by
@@ -101,9 +109,7 @@ class ResumeMixin:
             saved.update(checkpoint["qerl_settings"])
         else:  # written before the resolved settings were saved: what ran then
             saved = _with_older_defaults(saved)
-        defaults = {"lora": self.lora_settings, "loss": self.loss_settings, "optimizer": self.optim_settings,
-                    "eval": self.eval_settings}
-        for section, current in defaults.items():  # a section its config left out ran the defaults
+        for section, current in self._settings_sections().items():  # a section its config left out ran the defaults
             if section in saved and saved[section] is None:
                 saved[section] = _plain(type(current)())
         differences = hparam_differences({**_plain(dict(self.hparams)), **self._resolved_settings()}, saved)

@@ -456,5 +456,4 @@ class QeRLModule(ResumeMixin, EvaluationMixin, L.LightningModule):
         if self.trainer.is_global_zero and log_dir:
             from qerl.adapter import export_adapter  # LoRA + trainable norms, peft format
 
-            export_adapter(self.model, f"{log_dir}/adapter",  # + the base, for `python -m qerl.export`
-                           base={"model": self.model_name, "dtype": self.dtype_name, "seed": self.seed})
+            export_adapter(self.model, f"{log_dir}/adapter", base=self.base_record())  # (for qerl.export)

@@ -282,10 +282,8 @@ def _clear_earlier_export(out: Path) -> None:
     """Remove what an earlier export left in ``out`` (``_check_paths`` refused anything else), so an
     export of another format leaves no stale adapter or shard that a loader would pick up."""
     for path in out.iterdir() if out.is_dir() else []:
-        if path.is_dir() and path.name == ADAPTER_SUBDIR:
-            shutil.rmtree(path)
-        elif _written_by_export(path):
-            path.unlink()
+        if _written_by_export(path):
+            shutil.rmtree(path) if path.is_dir() else path.unlink()
 
 
 def _replace_export(out: Path, write) -> Path:

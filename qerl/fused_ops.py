@@ -73,6 +73,12 @@ def _rms_norm_bwd_kernel(x_ptr, w_ptr, z_ptr, dy_ptr, dx_ptr, D, stride_x, strid
     tl.store(dx_ptr + row * D + cols, dx.to(dx_ptr.dtype.element_ty), mask=m)
 
 
+def _unit_stride_rows(t: torch.Tensor, D: int) -> torch.Tensor:
+    """``t`` as (rows, D) with unit column stride, what the kernels index (a copy only when needed)."""
+    rows = t.reshape(-1, D)
+    return rows if rows.stride(-1) == 1 else rows.contiguous()
+
+
 class _RMSNorm(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, noise, eps, out_dtype):
@@ -90,9 +96,7 @@ class _RMSNorm(torch.autograd.Function):
     def backward(ctx, dy):
         rows, weight, z = ctx.saved_tensors
         D = rows.shape[1]
-        dy2 = dy.reshape(-1, D)
-        if dy2.stride(-1) != 1:
-            dy2 = dy2.contiguous()
+        dy2 = _unit_stride_rows(dy, D)
         dx = torch.empty(rows.shape, dtype=rows.dtype, device=rows.device)
         _rms_norm_bwd_kernel[(rows.shape[0],)](rows, weight, z, dy2, dx, D, rows.stride(0), dy2.stride(0), ctx.eps,
                                                NOISY=ctx.noisy, BLOCK=triton.next_power_of_2(D), **_NO_FMA)
@@ -189,8 +193,9 @@ def _silu_mul_bwd_kernel(g_ptr, u_ptr, dy_ptr, dg_ptr, du_ptr, D, stride_g, stri
     u = tl.load(u_ptr + row * stride_u + cols, mask=m, other=0.0).to(tl.float32)
     dy = tl.load(dy_ptr + row * stride_dy + cols, mask=m, other=0.0).to(tl.float32)
     dt = dg_ptr.dtype.element_ty
-    act = (g / (1.0 + tl.exp(-g))).to(dt).to(tl.float32)
-    sig = 1.0 / (1.0 + tl.exp(-g))
+    e = tl.exp(-g)
+    act = (g / (1.0 + e)).to(dt).to(tl.float32)                # as the forward rounds it
+    sig = 1.0 / (1.0 + e)
     d_act = (dy * u).to(dt).to(tl.float32)
     tl.store(du_ptr + row * D + cols, (dy * act).to(dt), mask=m)
     tl.store(dg_ptr + row * D + cols, (d_act * (sig * (1.0 + g * (1.0 - sig)))).to(dt), mask=m)
@@ -211,9 +216,7 @@ class _SiluMul(torch.autograd.Function):
     def backward(ctx, dy):
         g, u = ctx.saved_tensors
         D = g.shape[1]
-        dy2 = dy.reshape(-1, D)
-        if dy2.stride(-1) != 1:
-            dy2 = dy2.contiguous()
+        dy2 = _unit_stride_rows(dy, D)
         dg, du = torch.empty(g.shape, dtype=g.dtype, device=g.device), torch.empty(g.shape, dtype=g.dtype, device=g.device)
         _silu_mul_bwd_kernel[(g.shape[0], triton.cdiv(D, 1024))](g, u, dy2, dg, du, D, g.stride(0), u.stride(0),
                                                                  dy2.stride(0), BLOCK=1024, **_NO_FMA)
