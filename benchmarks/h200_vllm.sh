@@ -5,7 +5,7 @@
 #   (+ the LightningCLI wheels the GPU image lacks, in .whl/cli: jsonargparse, docstring-parser, typeshed-client)
 #   then one device call per chunk (cp .carry/<name>/cN/* /tmp/carry-<name>/), and
 #   bash benchmarks/h200_vllm.sh setup            # unpack + install the bundles, GGUF -> /tmp/testbed_bf16
-#   bash benchmarks/h200_vllm.sh parity gputest   # benchmarks/vllm_parity.py + the vLLM GPU test
+#   bash benchmarks/h200_vllm.sh parity gputest   # benchmarks/vllm_parity.py + every GPU test file (GPU_TEST_FILES)
 #   bash benchmarks/h200_vllm.sh fit              # a short GRPO fit through train.py with engine: vllm
 #   bash benchmarks/h200_vllm.sh bench            # benchmarks/rollout_vllm.py (7B shape, nvfp4 vs bf16)
 #   bash benchmarks/h200_vllm.sh eval             # benchmarks/eval_base.py: GSM8K pass@1 of the three arms
@@ -46,7 +46,7 @@ for stage in "$@"; do
     gputest)  # one process per file: with vLLM and the deliberately failed CUDA-graph capture of
       # test_rollout_hf in one process, all tests pass but the process aborts at exit
       # (captures_underway.empty(), CUDACachingAllocator); each file alone exits cleanly
-      for f in tests/test_vllm_engine.py tests/test_rollout_hf.py; do
+      for f in ${GPU_TEST_FILES:-$(grep -l "mark.gpu" tests/test_*.py)}; do
         timeout 200 python3 -m pytest -q -m gpu $f > "$OUT"/gputest_$(basename $f .py).log 2>&1
         echo "gputest $f exit $?"; tail -1 "$OUT"/gputest_$(basename $f .py).log
       done
