@@ -69,7 +69,8 @@ class PromptDataModule(L.LightningDataModule):
     Args:
         train_source: Training prompts: a ``.jsonl``/``.json``/``.parquet`` file, a directory, a
             Hugging Face dataset id (``"openai/gsm8k:main"`` = id ``openai/gsm8k``, config
-            ``main``), or ``"synthetic-arithmetic"`` (generated "What is 7 + 5?" problems).
+            ``main``; ``"<dir>:main"`` for a downloaded copy), or ``"synthetic-arithmetic"``
+            (generated "What is 7 + 5?" problems).
         val_sources: Validation sets, name → source (e.g. ``{"gsm8k": "data/gsm8k/test.jsonl",
             "math500": "data/math500/test.jsonl"}``); one dataloader each, in this order, named
             by ``val_names``. None: no validation.

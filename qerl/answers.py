@@ -10,7 +10,9 @@ import re
 
 # Optional whitespace is legal LaTeX (`\boxed {5}`); `\fbox` is what some models emit instead.
 _BOX_RE = re.compile(r"\\(?:boxed|fbox)\s*\{")
-_HASH_RE = re.compile(r"####\s*([^\n]*)")
+# GSM8K's answer marker: `#### 18`, `#### $1,234`, `#### -0.5`, `#### \frac{1}{2}`; a markdown heading
+# (`#### Step 2: Money`) is not one.
+_HASH_ANSWER_RE = re.compile(r"####[ \t]*((?:\\?\$[ \t]*)?[-+]?[ \t]*(?:\\?\$[ \t]*)?(?:\.?\d|\\[dt]?frac)[^\n]*)")
 _ANSWER_IS_RE = re.compile(r"answer\s*(?:is|:)\s*:?\s*([^\n]*)", re.IGNORECASE)
 _PLAIN_NUMBER_RE = re.compile(r"-?\d{1,3}(?:,\d{3})+(?:\.\d+)?")
 _NUMBER_RE = re.compile(r"-?\d[\d,]*(?:\.\d+)?|-?\.\d+")
@@ -62,6 +64,30 @@ def extract_boxed(text: str) -> str | None:
     return text[start:end].strip()
 
 
+def boxed_answers(text: str) -> list[str]:
+    """Contents of every outermost closed box, stripped, in order, without repeats or empty ones:
+    a multi-answer solution's boxes (``x = \\boxed{1}`` and ``x = \\boxed{-2}`` → ``['1', '-2']``)."""
+    if not isinstance(text, str):
+        return []
+    spans = _boxed_spans(text)
+    outer = [s for s in spans if not any(o[0] < s[0] and s[1] < o[1] for o in spans)]
+    answers: list[str] = []
+    for start, end in sorted(outer, key=lambda s: s[1]):
+        content = text[start:end].strip()
+        if content and content not in answers:
+            answers.append(content)
+    return answers
+
+
+def hash_answer(text: str) -> str | None:
+    """The line after the last ``####`` that starts like an answer (a number, ``$``, a fraction),
+    stripped; None when there is none. A markdown heading (``#### Step 2``) is not an answer."""
+    if not isinstance(text, str) or "####" not in text:
+        return None
+    hits = _HASH_ANSWER_RE.findall(text)
+    return hits[-1].strip() if hits else None
+
+
 def extract_gsm8k_gold(answer_field: str) -> str:
     """Gold answer of a GSM8K ``answer`` field: text after the last ``####``.
 
@@ -84,7 +110,7 @@ def clean_short_answer(text: str) -> str:
 def extract_answer(completion: str) -> str | None:
     """Best-effort answer string of a completion, for logging tables (not used for scoring).
 
-    Order (first hit wins): 1) last ``\\boxed{}``/``\\fbox{}``; 2) text after the last ``####``;
+    Order (first hit wins): 1) last ``\\boxed{}``/``\\fbox{}``; 2) the answer after the last ``####``;
     3) text after the last "answer is"/"answer:"; 4) the last number in the text (commas
     removed). Returns None if none applies.
     """
@@ -93,9 +119,11 @@ def extract_answer(completion: str) -> str | None:
     boxed = extract_boxed(completion)
     if boxed is not None:
         return boxed
-    for pattern in (_HASH_RE, _ANSWER_IS_RE):
-        hits = pattern.findall(completion)
-        if hits and clean_short_answer(hits[-1]):
-            return clean_short_answer(hits[-1])
+    hashed = hash_answer(completion)
+    if hashed and clean_short_answer(hashed):
+        return clean_short_answer(hashed)
+    hits = _ANSWER_IS_RE.findall(completion)
+    if hits and clean_short_answer(hits[-1]):
+        return clean_short_answer(hits[-1])
     numbers = _NUMBER_RE.findall(completion)
     return numbers[-1].replace(",", "") if numbers else None

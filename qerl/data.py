@@ -7,7 +7,8 @@ Sources (`load_examples`):
 * a local ``.jsonl`` / ``.json`` / ``.parquet`` file;
 * a local directory: ``<dir>/<split>.{jsonl,json,parquet}`` if present, else a
   ``Dataset.save_to_disk`` folder, else anything ``datasets.load_dataset(<dir>)`` understands
-  (e.g. a downloaded Hugging Face dataset repo with ``data/<split>-*.parquet``);
+  (e.g. a downloaded Hugging Face dataset repo with ``data/<split>-*.parquet``); ``"<dir>:config"``
+  picks a config of a downloaded multi-config repo (``gsm8k/:main``);
 * a Hugging Face dataset id, optionally ``"id:config"`` (``"openai/gsm8k:main"``), loaded with
   ``datasets.load_dataset(id, config, split=split)``;
 * ``"synthetic-arithmetic"``: generated "What is 7 + 5?" problems (no files, for smoke tests).
@@ -81,9 +82,12 @@ class LoadedExamples(list):
 # ----------------------------------------------------------------------------------------------
 
 
-def _as_text(value: Any) -> str:
+def _as_text(value: Any, key: str = "") -> str:
     if value is None:
         return ""
+    if isinstance(value, bool) or not isinstance(value, (str, int, float)):
+        # `answer: true` or `answer: ["5"]` would otherwise become the gold "True" / "['5']"
+        raise _BadRow(f"field {key!r} is a {type(value).__name__} ({str(value)[:40]}), not text or a number")
     if isinstance(value, float):
         return _float_text(value)
     return str(value).strip()
@@ -123,7 +127,7 @@ def _is_bare_answer(text: str) -> bool:
 def detect_layout(row: Mapping[str, Any]) -> str | None:
     """``"gsm8k"`` / ``"math"`` from a row's keys, or None if neither matches."""
     if "question" in row and "answer" in row:
-        answer = _as_text(row["answer"])
+        answer = _as_text(row["answer"], "answer")
         if "####" in answer or _is_bare_answer(answer):  # GSM8K, or a short-answer set (AMC, AIME)
             return "gsm8k"
     if "problem" in row and ("answer" in row or "solution" in row):
@@ -134,7 +138,7 @@ def detect_layout(row: Mapping[str, Any]) -> str | None:
 def _field(row: Mapping[str, Any], key: str) -> str:
     if key not in row:
         raise _BadRow(f"missing field {key!r} (row has {sorted(row)})")
-    text = _as_text(row[key])
+    text = _as_text(row[key], key)
     if not text:
         raise _BadRow(f"empty field {key!r}")
     return text
@@ -156,10 +160,10 @@ def _row_to_pair(row: Any, layout: str, prompt_key: str | None, answer_key: str 
         if answer_key is not None:
             raw = _field(row, answer_key)
             answer = extract_boxed(raw) or raw
-        elif _as_text(row.get("answer")):
-            answer = _as_text(row["answer"])
+        elif _as_text(row.get("answer"), "answer"):
+            answer = _as_text(row["answer"], "answer")
         elif "solution" in row:
-            answer = extract_boxed(_as_text(row["solution"])) or ""
+            answer = extract_boxed(_as_text(row["solution"], "solution")) or ""
             if not answer:
                 raise _BadRow("no 'answer' field and no \\boxed{} in 'solution'")
         else:

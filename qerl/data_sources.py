@@ -97,14 +97,17 @@ def _pick_split(ds: Any, split: str, name: str) -> Any:
     return ds
 
 
-def _read_directory(path: Path, split: str) -> Iterator[_RawRow]:
+def _read_directory(path: Path, split: str, config: str | None = None) -> Iterator[_RawRow]:
+    import datasets
+
+    if config is not None:  # a downloaded multi-config dataset repo (`gsm8k/:main`)
+        yield from _read_table(datasets.load_dataset(str(path), config, split=split), f"{path}:{config}")
+        return
     for suffix in LOCAL_SUFFIXES:
         candidate = path / f"{split}{suffix}"
         if candidate.is_file():
             yield from _read_file(candidate)
             return
-    import datasets
-
     if (path / "dataset_dict.json").is_file() or (path / "state.json").is_file():
         ds = _pick_split(datasets.load_from_disk(str(path)), split, str(path))
     else:
@@ -148,8 +151,11 @@ def _read_hub(source: str, split: str) -> Iterator[_RawRow]:
 def raw_rows(source: str, split: str) -> Iterator[_RawRow]:
     """(index, name, row or BadRow) of every row of ``source``; missing local paths raise."""
     path = Path(source).expanduser()
+    folder, _, config = str(source).rpartition(":")
     if path.is_dir():
         yield from _read_directory(path, split)
+    elif folder and config and Path(folder).expanduser().is_dir():
+        yield from _read_directory(Path(folder).expanduser(), split, config)
     elif path.is_file():
         yield from _read_file(path)
     elif _looks_local(source):

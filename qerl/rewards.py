@@ -41,7 +41,7 @@ from typing import Any, TypeVar
 import math_verify
 from sympy import Basic, MatrixBase
 
-from qerl.answers import _boxed_spans, extract_answer, extract_boxed, extract_gsm8k_gold  # noqa: F401
+from qerl.answers import _boxed_spans, boxed_answers, extract_answer, extract_boxed, extract_gsm8k_gold, hash_answer  # noqa: F401
 
 logger = logging.getLogger(__name__)
 _T = TypeVar("_T")
@@ -237,7 +237,16 @@ class MathAccuracy(RewardFunction):
             gold_parsed = list(_parse_gold(gold_text))
             if not gold_parsed:
                 return False
-            return bool(math_verify.verify(gold_parsed, _parse_pred(pred_text, boxed), timeout_seconds=None))
+            if math_verify.verify(gold_parsed, _parse_pred(pred_text, boxed), timeout_seconds=None):
+                return True
+            # A multi-answer gold (`1, -2`, `3 \pm 2\sqrt{2}`) is often boxed one value at a time:
+            # then all boxes together are the answer (a set; extra or hedged values still fail).
+            boxes = [_SPACE_SEP_RE.sub("", b) for b in boxed_answers(text)] if boxed is not None else []
+            if len(boxes) < 2 or not _is_multi_valued(gold_text):
+                return False
+            joined = ", ".join(boxes)
+            return bool(math_verify.verify(gold_parsed, _parse_pred("\\boxed{" + joined + "}", joined),
+                                           timeout_seconds=None))
 
         try:
             return 1.0 if _deadline(run, self.timeout_s) else 0.0
@@ -284,6 +293,27 @@ _NOT_UNITS = frozenset(
     "third thirds quarter quarters pi".split())
 
 
+# Boxes that math-verify 0.9 leaves as strings although their `$content$` is the number.
+_LOOSE_BOX_RE = re.compile(r"%|\\(?:text|textrm|textbf|mbox|mathrm)\b")
+# A gold with several values: a comma outside brackets (`1, -2`; not `(1,2)` or `[0, 1)`) or `\pm`.
+_PM_RE = re.compile(r"\\(?:pm|mp)\b")
+
+
+_THOUSANDS_COMMA_RE = re.compile(r"(?<=\d),(?:\\!)?\s?(?=\d{3}(?!\d))")
+
+
+def _is_multi_valued(gold: str) -> bool:
+    if _PM_RE.search(gold):
+        return True
+    depth = 0
+    for ch in _THOUSANDS_COMMA_RE.sub("", gold).replace("\\{", "{").replace("\\}", "}"):
+        depth += ch in "([{"
+        depth -= ch in ")]}"
+        if ch == "," and depth <= 0:
+            return True
+    return False
+
+
 def _text_number(boxed: str) -> str | None:
     """``\\text{18 dollars}`` or ``18 dollars`` → ``18``: the number of a box that, with ``\\text{}``
     unwrapped, is one number plus unit words; None for anything else (``\\text{Evelyn}``, ``2 and 3``)."""
@@ -301,35 +331,29 @@ def _text_number(boxed: str) -> str | None:
     return m.group(1)
 
 
-def _hash_tail(text: str) -> str | None:
-    """First non-empty line after the last ``####`` (GSM8K's answer marker), or None."""
-    if "####" not in text:
-        return None
-    tail = text.rsplit("####", 1)[1].strip()
-    return tail.split("\n", 1)[0].strip() or None
-
-
 def _parse_pred(text: str, boxed: str | None = None) -> list:
     """Parse a prediction with math-verify's defaults (LaTeX with boxed priority, then plain
     expressions; rightmost match first). ``boxed`` is the (already normalised) box content that
     ``text`` re-boxes, or None when the completion has no box.
 
     math-verify 0.9 leaves some boxed contents as bare strings (``\\boxed{5\\%}`` → ``'5\\%'``)
-    although the same content parses inside ``$...$`` (→ 5); so when the box gave no SymPy
-    object, the ``$content$`` parses are added as further candidates (verify takes any match).
+    although the same content parses inside ``$...$`` (→ 5); so when such a box (a percent sign
+    or ``\\text{}``) gave no SymPy object, the ``$content$`` parses are added as further
+    candidates (verify takes any match). Only then: ``$5+$`` or ``$5 \\le$`` also parse to 5, and
+    an unfinished box is not the number.
     A number in ``\\text{}`` with units (``\\text{18 dollars}``, a symbol ``18dollars`` to
     math-verify) adds ``$18$`` likewise. Without a box, the line after the last ``####`` is parsed
     first, since a GSM8K-style solution's ``$<<4+2=6.00>>6.00`` spans would otherwise outrank it.
     """
     if boxed is None:
-        tail = _hash_tail(text)
+        tail = hash_answer(text)
         if tail is not None:
             parsed = math_verify.parse(tail, parsing_timeout=None)
             if parsed:
                 return parsed
         return math_verify.parse(text, parsing_timeout=None)
     parsed = math_verify.parse(text, parsing_timeout=None)
-    if not any(isinstance(p, (Basic, MatrixBase)) for p in parsed):
+    if _LOOSE_BOX_RE.search(boxed) and not any(isinstance(p, (Basic, MatrixBase)) for p in parsed):
         parsed = parsed + math_verify.parse(f"${boxed}$", parsing_timeout=None)
     number = _text_number(boxed)
     if number is not None:

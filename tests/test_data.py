@@ -188,6 +188,27 @@ def test_json_and_parquet_and_directory_sources(tmp_path):
     ds.to_parquet(str(repo / "data" / "train-00000-of-00001.parquet"))
     assert [e.answer for e in load_examples(str(repo), split="train")] == ["72", "1080", "-3"]
 
+    # A downloaded multi-config repo (openai/gsm8k: main/, socratic/): `<dir>:<config>`.
+    multi = tmp_path / "gsm8k_repo"
+    for config, rows in (("main", GSM8K_ROWS), ("socratic", GSM8K_ROWS[:1])):
+        (multi / config).mkdir(parents=True)
+        datasets.Dataset.from_list(rows).to_parquet(str(multi / config / "train-00000-of-00001.parquet"))
+    (multi / "README.md").write_text("---\nconfigs:\n" + "".join(
+        f"- config_name: {c}\n  data_files:\n  - split: train\n    path: {c}/train-*\n" for c in ("main", "socratic"))
+        + "---\n")
+    assert [e.answer for e in load_examples(f"{multi}:main", split="train")] == ["72", "1080", "-3"]
+    assert len(load_examples(f"{multi}:socratic", split="train")) == 1
+
+
+def test_non_text_fields_are_bad_rows(tmp_path, caplog):
+    rows = [{"question": "Q1", "answer": True}, {"question": ["Q2"], "answer": "#### 5"},
+            {"problem": "P", "answer": {"x": 1}}, {"question": "Q3", "answer": 7}, GSM8K_ROWS[0]]
+    ex = load_examples(write_jsonl(tmp_path / "g.jsonl", rows[:2] + rows[3:]), layout="gsm8k")
+    assert [e.answer for e in ex] == ["7", "72"] and ex.num_skipped == 2
+    assert "field 'answer' is a bool" in caplog.text and "field 'question' is a list" in caplog.text
+    math = load_examples(write_jsonl(tmp_path / "m.jsonl", [rows[2], MATH_ROWS[0]]), layout="math")
+    assert len(math) == 1 and "field 'answer' is a dict" in caplog.text
+
 
 def test_hub_id_with_config(monkeypatch):
     datasets = pytest.importorskip("datasets")

@@ -101,6 +101,8 @@ def test_extract_boxed(text: str, expected: str | None) -> None:
         ("I get 12 apples, then 1,234.5 pears", "1234.5"),
         ("no digits at all", None),
         ("", None),
+        ("#### Step 1: eggs\n#### Step 2: money\nThe answer is 18.", "18"),  # headings are not answers
+        ("#### 18\n#### Check", "18"),
     ],
 )
 def test_extract_answer_order(text: str, expected: str | None) -> None:
@@ -234,6 +236,38 @@ def test_accuracy_text_units_separators_hash_line(acc: MathAccuracy, completion:
 )
 def test_accuracy_units_separators_hash_line_wrong(acc: MathAccuracy, completion: str, gold: str) -> None:
     assert acc([completion], [gold]) == [0.0]
+
+
+# A markdown solution with `####` headings and no box (a base model's habit).
+MARKDOWN_HEADINGS = "#### Step 1: Eggs left\n16 - 7 = 9\n#### Step 2: Money\nShe earns 9 * 2 = 18 dollars.\n\nThe answer is 18."
+
+
+@pytest.mark.parametrize(
+    "completion,gold,expected",
+    [
+        (MARKDOWN_HEADINGS, "18", 1.0),  # a heading after `####` is not the answer line
+        (MARKDOWN_HEADINGS, "2", 0.0),
+        ("work\n#### -5", "-5", 1.0),
+        ("work\n#### \\frac{1}{2}", "0.5", 1.0),
+        # one value per box: all boxes together answer a multi-valued gold
+        (r"The solutions are $x=\boxed{1}$ and $x=\boxed{-2}$.", "1,-2", 1.0),
+        (r"$\boxed{3}$, $\boxed{5}$ and $\boxed{7}$", "3, 5, 7", 1.0),
+        (r"$x = \boxed{1+\sqrt{19}}$ or $x = \boxed{1-\sqrt{19}}$", r"1 \pm \sqrt{19}", 1.0),
+        (r"\boxed{1} or \boxed{-2} or \boxed{3}", "1,-2", 0.0),  # a hedged extra value still fails
+        (r"\boxed{5}, no: \boxed{4}", "5", 0.0),  # a single-valued gold: only the last box
+        (r"\boxed{1} and \boxed{2}", "(1,2)", 0.0),  # a tuple is one value
+        (r"\boxed{58} and \boxed{500}", r"58,\!500", 0.0),  # a thousands comma does not make two values
+        # an unfinished box is not its number (math-verify's `$5+$` is 5)
+        (r"\boxed{5+}", "5", 0.0),
+        (r"\boxed{5 \le}", "5", 0.0),
+        (r"\boxed{5 \times}", "5", 0.0),
+        (r"\boxed{5\%}", "5", 1.0),  # ... while a percent sign or \text{} box still is
+        (r"\boxed{5 \text{ cm}}", "5", 1.0),
+    ],
+)
+def test_accuracy_headings_multi_boxes_unfinished_boxes(acc: MathAccuracy, completion: str, gold: str,
+                                                         expected: float) -> None:
+    assert acc([completion], [gold]) == [expected]
 
 
 def test_accuracy_batch_and_components(acc: MathAccuracy) -> None:
