@@ -104,9 +104,10 @@ class AQNCallback(L.Callback):
             reward = torch.tensor(rollout.mean_sampled_reward())
             if getattr(trainer, "world_size", 1) > 1:
                 reward = trainer.strategy.reduce(reward.to(pl_module.device), reduce_op="mean")
-            self.monitor.rewards.append(float(reward))
+            if math.isfinite(float(reward)):
+                self.monitor.rewards.append(float(reward))
         entropy = trainer.callback_metrics.get("train/entropy")
-        if entropy is not None:
+        if entropy is not None and math.isfinite(float(entropy)):  # NaN: no token sampled, nothing seen
             self.monitor.entropies.append(float(entropy))
         self.monitor.rewards = self.monitor.rewards[-self.history:]
         self.monitor.entropies = self.monitor.entropies[-self.history:]

@@ -135,6 +135,10 @@ class QeRLModule(ResumeMixin, EvaluationMixin, L.LightningModule):
             )
         self._tokenizer = self._tokenizer or tokenizer
         self.model.train()  # loaders return eval mode; LoRA dropout must be live in training
+        if self.lora_settings.dropout > 0:
+            rank_zero_warn(f"lora.dropout = {self.lora_settings.dropout}: each training forward draws its own "
+                           "dropout mask, so the old/new ratio is not 1 at the first update and the sampler "
+                           "(no dropout) differs from the trainer; RL recipes use 0")
         if self.adapter_path:
             from qerl.adapter import load_adapter_into  # LoRA + trainable norms, as on_train_end wrote them
 

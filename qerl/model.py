@@ -330,7 +330,10 @@ class LoraSettings:
     Args:
         rank: adapter rank r (the paper uses 32).
         alpha: scaling numerator; the update is scaled by alpha / rank.
-        dropout: dropout on the adapter input (0 in QeRL).
+        dropout: dropout on the adapter input (0 in QeRL). Above 0 every training forward draws a
+            new mask: the first update's ratio to the old log-probs is no longer 1 (clipping fires
+            before any step) and the sampler, which runs without dropout, differs from the trainer,
+            so the importance weights correct noise rather than a real mismatch (a warning says so).
         target_modules: module-name suffixes that get adapters.
         trainable_norms: also train the RMSNorm scales before attention and MLP, as the official
             QeRL scripts do (``--ln True``); they are saved with the adapter and synced to the engine,
@@ -354,6 +357,8 @@ class LoraSettings:
     compute_dtype: Literal["model", "stored"] = "model"
 
     def __post_init__(self):
+        if not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"lora.dropout must be in [0, 1), got {self.dropout}")
         if self.compute_dtype not in ("model", "stored"):
             raise ValueError(f"lora.compute_dtype must be 'model' or 'stored', got {self.compute_dtype!r}")
 

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import math
 import re
 import signal
 import sys
@@ -161,6 +162,15 @@ class RewardFunction:
         if len(completions) != len(answers):
             raise ValueError(f"{len(completions)} completions but {len(answers)} answers")
         values = [float(v) for v in self.compute(list(completions), list(answers))]
+        if len(values) != len(completions):
+            raise ValueError(f"{type(self).__name__}.compute returned {len(values)} rewards for {len(completions)} completions")
+        bad = [i for i, v in enumerate(values) if not math.isfinite(v)]
+        if bad:
+            # one NaN would reach its group's advantages and the loss, and the whole update would be
+            # skipped; a reward that cannot grade a completion gives 0, as a failed parse does
+            _warn_limited(f"{type(self).__name__} returned {len(bad)} non-finite rewards of {len(values)} "
+                          f"(first: completion {bad[0]}, {values[bad[0]]}): scored 0.0")
+            values = [v if math.isfinite(v) else 0.0 for v in values]
         self.last_components = self._components(values)
         return values
 

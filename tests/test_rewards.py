@@ -6,12 +6,14 @@ Rows below are copied from GSM8K test / MATH500 (CI has no /work/shared data dir
 
 from __future__ import annotations
 
+import logging
 import signal
 import threading
 import time
 
 import pytest
 
+import qerl.rewards as rewards_module
 from qerl.rewards import (
     FormatReward,
     MathAccuracy,
@@ -450,3 +452,27 @@ def test_a_broken_math_verify_fails_loudly(monkeypatch) -> None:
     monkeypatch.setattr(R.math_verify, "verify", lambda *a, **k: False)
     with pytest.raises(RuntimeError, match="math-verify"):
         MathAccuracy()(["\\boxed{1}"], ["1"])
+
+
+def test_non_finite_rewards_score_zero_with_a_warning(caplog) -> None:
+    """A custom reward's NaN would reach its group's advantages and skip the whole update."""
+
+    class Flaky(RewardFunction):
+        name = "flaky"
+
+        def compute(self, completions, answers):
+            return [float("nan"), 1.0, float("inf")]
+
+    total = WeightedSum([Flaky(), FormatReward()])
+    with caplog.at_level(logging.WARNING, logger="qerl.rewards"):
+        rewards_module._warn_state["last"] = 0.0
+        assert total(["a", r"\boxed{1}", "c"], ["1"] * 3) == [0.0, 2.0, 0.0]
+    assert total.last_components == {"flaky": [0.0, 1.0, 0.0], "format": [0.0, 1.0, 0.0]}
+    assert "Flaky returned 2 non-finite rewards of 3" in caplog.text
+
+    class Short(RewardFunction):
+        def compute(self, completions, answers):
+            return [1.0]
+
+    with pytest.raises(ValueError, match="Short.compute returned 1 rewards for 2 completions"):
+        Short()(["a", "b"], ["1", "1"])

@@ -443,3 +443,13 @@ def test_bad_loss_choices_fail_at_construction(bad):
     would otherwise never fail)."""
     with pytest.raises(ValueError, match=f"model.loss.{next(iter(bad))} must be one of"):
         LossSettings(**bad, tis_cap=None)
+
+
+def test_lora_dropout_is_validated_and_warned_about():
+    from qerl.model import LoraSettings
+
+    with pytest.raises(ValueError, match=r"lora.dropout must be in \[0, 1\)"):
+        LoraSettings(dropout=1.5)
+    module = QeRLModule(model="tiny-qwen2", quantization="nvfp4", dtype="fp32", lora=LoraSettings(rank=4, dropout=0.1))
+    with pytest.warns(UserWarning, match="lora.dropout = 0.1: each training forward draws its own dropout mask"):
+        module.configure_model()
