@@ -70,6 +70,26 @@ def test_dynamic_sampling_drops_flat_groups_and_refills():
     assert aqn.monitor.rewards == [rollout.sampled_reward]
 
 
+def test_dynamic_sampling_counts_a_refills_surplus_as_dropped():
+    """A refill draws a whole batch of prompts: mixed groups beyond the batch are generated but not
+    trained on, and ``train/groups_dropped`` says so."""
+    module = _module()
+    tok = module.tokenizer
+    enc = lambda s: tok(s)["input_ids"]  # noqa: E731
+    p_flat, p_mixed, p_extra, p_extra2 = enc("x"), enc("y"), enc("z"), enc("w")
+    script = {tuple(p_flat): [enc("b"), enc("b")], tuple(p_mixed): [enc("a"), enc("b")],
+              tuple(p_extra): [enc("b"), enc("a")], tuple(p_extra2): [enc("a"), enc("b")]}
+    cb = RolloutCallback(reward=CharIsA(), group_size=2, sampling=SamplingSettings(max_new_tokens=4),
+                         dynamic_sampling=True, max_refill_rounds=1)
+    cb.engine = ScriptedEngine(script)
+    extra = {"prompt_ids": [p_extra, p_extra2], "prompts": ["z", "w"], "answers": ["-", "-"]}
+    batch = {"prompt_ids": [p_flat, p_mixed], "prompts": ["x", "y"], "answers": ["-", "-"]}
+    cb.on_train_batch_start(_trainer([cb], extra), module, batch, 0)
+    assert batch["rollout"].prompts == ["y", "y", "z", "z"]
+    assert batch["rollout"].num_groups_dropped == 2  # the flat group and the surplus "w"
+    assert len(batch["rollout"].sampled_lengths()) == 8  # every generated completion stays in view
+
+
 def test_dynamic_sampling_ignores_length_shaping():
     """DAPO filters on accuracy: a group all right (or all wrong) is dropped even when the overlong
     penalty makes its shaped rewards differ."""
@@ -159,29 +179,38 @@ def test_aqn_callback_sets_sigma_before_rollout_and_engine_gets_noisy_scales():
     assert all(torch.equal(again[k], scales[k]) for k in scales)
 
 
-class NaNOnce(RewardFunction):
-    """NaN rewards on the first call (a broken reward), normal afterwards."""
-
-    name = "nan_once"
+class Parity(RewardFunction):
+    name = "parity"
 
     def __init__(self):
+        super().__init__()
         self.calls = 0
 
     def compute(self, completions, answers):
         self.calls += 1
-        return [float("nan") if self.calls == 1 else float(len(c) % 2) for c in completions]
+        return [float(len(c) % 2) for c in completions]
 
 
-def test_nan_loss_skips_the_update_and_loses_nothing(tmp_path):
+def test_nan_loss_skips_the_update_and_loses_nothing(tmp_path, monkeypatch):
     import lightning as L
     import pytest
 
+    import lightning_modules.qerl_module as qerl_module
     from lightning_modules.data import PromptDataModule
 
+    calls = []
+
+    def nan_first_batch(*args, **kwargs):  # a loss that blows up on the first rollout batch only
+        loss, metrics = policy_loss(*args, **kwargs)
+        calls.append(1)
+        return (loss * float("nan"), metrics) if len(calls) == 1 else (loss, metrics)
+
+    policy_loss = qerl_module.policy_loss
+    monkeypatch.setattr(qerl_module, "policy_loss", nan_first_batch)
     module = QeRLModule(model="tiny-qwen2", quantization="nvfp4", dtype="fp32")
     module.configure_model()
     lora_before = {n: p.detach().clone() for n, p in module.model.named_parameters() if p.requires_grad}
-    cb = RolloutCallback(reward=NaNOnce(), group_size=2, sampling=SamplingSettings(max_new_tokens=4))
+    cb = RolloutCallback(reward=Parity(), group_size=2, sampling=SamplingSettings(max_new_tokens=4))
     trainer = L.Trainer(accelerator="cpu", max_steps=2, logger=False, enable_checkpointing=False,
                         enable_progress_bar=False, callbacks=[cb], default_root_dir=tmp_path)
     with pytest.warns(UserWarning, match="non-finite loss at step 0: skipping this update"):

@@ -136,7 +136,9 @@ class Rollout:
     completions: list[str] = field(default_factory=list)
     answers: list[str] = field(default_factory=list)
     timings: dict[str, float] = field(default_factory=dict)
-    num_groups_dropped: int = 0  # DAPO dynamic sampling: zero-signal groups left out (0 when all were: they train)
+    # DAPO dynamic sampling: groups generated but not trained on -- zero-signal ones (0 when all were:
+    # they train) and mixed ones beyond the batch (a refill's surplus, a DDP rank's surplus)
+    num_groups_dropped: int = 0
     # mean task reward (the reward functions' sum, without DAPO's overlong shaping) of every group
     # generated this step, before dynamic sampling kept the mixed ones: what the policy earns (the
     # kept groups' mean stays near 0.5 while accuracy climbs); None: the mean of ``rewards``
