@@ -50,13 +50,17 @@ def checkpoint_dirs(config) -> list[str]:
 
 def check_ckpt_path(subcommand: str, ckpt_path: str | None, dirs: list[str]) -> None:
     """A ``--ckpt_path`` that cannot serve the subcommand is a ValueError now, not a traceback later:
-    a file that is a directory or not a readable checkpoint; ``last`` for validate / test when the
-    checkpoint folders hold none (Lightning would evaluate the untrained model). ``fit`` with
+    a file that is a directory or not a readable Lightning checkpoint; ``last`` for validate / test
+    when the checkpoint folders hold none or the config names none (Lightning would evaluate the
+    untrained model). ``fit`` with
     ``last`` and nothing saved yet starts from scratch, as Lightning does."""
     if not ckpt_path or ckpt_path in ("best", "hpc", "registry") or ckpt_path.startswith("registry:"):
         return
     if ckpt_path == "last":
-        if subcommand != "fit" and dirs and not any(glob.glob(os.path.join(d, "last*.ckpt")) for d in dirs):
+        if subcommand != "fit" and not dirs:  # Lightning would find no `last` and evaluate the untrained model
+            raise ValueError(f"--ckpt_path last: no ModelCheckpoint with a dirpath in the config, so nothing says "
+                             f"where `last` is: name the .ckpt file (or add the run's ModelCheckpoint)")
+        if subcommand != "fit" and not any(glob.glob(os.path.join(d, "last*.ckpt")) for d in dirs):
             raise ValueError(f"--ckpt_path last: no last*.ckpt in {', '.join(dirs)}: nothing to {subcommand} "
                              "(leave --ckpt_path out to evaluate the configured model)")
         return
@@ -66,10 +70,13 @@ def check_ckpt_path(subcommand: str, ckpt_path: str | None, dirs: list[str]) -> 
         raise ValueError(f"--ckpt_path {ckpt_path}: no such file (before the model loads, not after)")
     if os.path.isfile(ckpt_path):
         try:
-            torch.load(ckpt_path, map_location="cpu", weights_only=False)  # megabytes: only the trainable tensors
+            ckpt = torch.load(ckpt_path, map_location="cpu", weights_only=False)  # megabytes: only the trainable tensors
         except Exception as err:  # noqa: BLE001 - any unreadable file: the same one-line answer
             first = str(err).splitlines()[0] if str(err) else ""
             raise ValueError(f"--ckpt_path {ckpt_path} is not a readable checkpoint ({type(err).__name__}: {first})") from err
+        if not isinstance(ckpt, dict) or not {"state_dict", "pytorch-lightning_version"} <= set(ckpt):
+            raise ValueError(f"--ckpt_path {ckpt_path} is not a Lightning checkpoint (no state_dict and "
+                             "pytorch-lightning_version: a torch.save file of something else?)")
 
 
 class QeRLCLI(LightningCLI):

@@ -63,9 +63,10 @@ class ResumeMixin:
             checkpoint["qerl_rng_per_rank"] = states
 
     def base_record(self) -> dict:
-        """The base this run builds ({"model", "dtype", "seed"}): saved with checkpoints (``qerl_base``)
-        and the final adapter (``qerl_base.json``), read back by resume and ``python -m qerl.export``."""
-        return {"model": self.model_name, "dtype": self.dtype_name, "seed": self.seed}
+        """The base this run builds ({"model", "dtype", "seed", "quantization"}): saved with checkpoints
+        (``qerl_base``) and the final adapter (``qerl_base.json``), read back by resume, by
+        ``model.adapter_path`` and by ``python -m qerl.export``."""
+        return {"model": self.model_name, "dtype": self.dtype_name, "seed": self.seed, "quantization": self.quantization}
 
     def _settings_sections(self) -> dict:
         return {"lora": self.lora_settings, "loss": self.loss_settings, "optimizer": self.optim_settings,
@@ -125,7 +126,7 @@ class ResumeMixin:
         else:  # one process, or a different world size: one state for all
             self._resume_rng = checkpoint.get("qerl_rng")
 
-    def _check_same_base(self, base: dict) -> None:
+    def _check_same_base(self, base: dict, what: str = "the checkpoint") -> None:
         """A built-in tiny model is a random init: the checkpoint's LoRA on another tiny model, or on
         the same one of another seed, would train or evaluate on weights it never saw (same shapes,
         so nothing else notices). Other model names only warn (a moved folder is the same model)."""
@@ -133,11 +134,29 @@ class ResumeMixin:
         if model not in TINY_MODEL_NAMES or self.model_name not in TINY_MODEL_NAMES:
             return
         if model != self.model_name:
-            raise ValueError(f"the checkpoint was trained on {model}, this run builds {self.model_name}: its LoRA "
+            raise ValueError(f"{what} was trained on {model}, this run builds {self.model_name}: its LoRA "
                              "fits the shapes but not the weights")
         if seed is not None and int(seed) != self.seed:
-            raise ValueError(f"the checkpoint was trained on {model} of seed {seed}, this run builds seed {self.seed} "
+            raise ValueError(f"{what} was trained on {model} of seed {seed}, this run builds seed {self.seed} "
                              "(model.seed, else seed_everything): another random base; set the seed it ran with")
+
+    def _check_adapter_base(self) -> None:
+        """``model.adapter_path`` against the base it records (``qerl_base.json``; none: not written by
+        qerl, nothing to check): another tiny model or seed is an error, as on resume; another model
+        name, dtype or quantization a warning (the adapter then runs on weights it did not train on)."""
+        from qerl.adapter import read_base
+
+        what = f"model.adapter_path {self.adapter_path}"
+        base = read_base(self.adapter_path)
+        if base is None:
+            return
+        self._check_same_base(base, what)
+        here = self.base_record()
+        differing = [f"{key} {base[key]} (this run: {here[key]})" for key in ("model", "dtype", "quantization")
+                     if base.get(key) is not None and str(base[key]) != str(here[key])]
+        if differing:
+            rank_zero_warn(f"{what} was trained on another base ({', '.join(differing)}): its outputs here differ "
+                           "from the trained model's")
 
     def on_train_batch_end(self, outputs, batch, batch_idx: int) -> None:
         # the global RNG as a checkpoint of this step holds it (ModelCheckpoint saved just before)

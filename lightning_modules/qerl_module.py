@@ -128,6 +128,8 @@ class QeRLModule(ResumeMixin, EvaluationMixin, L.LightningModule):
         # Lightning may run this hook under a default-device context (the accelerator): load on the
         # CPU explicitly and let load_policy quantize layer by layer on the target device.
         device = self.trainer.strategy.root_device if self._trainer is not None else self.device
+        if self.adapter_path:  # before minutes of loading
+            self._check_adapter_base()
         with torch.device("cpu"):
             self.model, tokenizer = load_policy(
                 self.model_name, self.quantization, self.lora_settings, dtype=self.dtype_name,

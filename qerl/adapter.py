@@ -21,6 +21,8 @@ TRAINABLE_NORMS_FILE = "trainable_norms.safetensors"
 # The base an adapter was trained on, as qerl built it: {"model", "dtype", "seed"} (a tiny model's
 # weights are its seed's and its NVFP4 codes its dtype's; ``python -m qerl.export`` rebuilds that base)
 BASE_FILE = "qerl_base.json"
+# What qerl_base.json (and a checkpoint\'s qerl_base) records of the base an adapter trained on.
+BASE_KEYS = ("model", "dtype", "seed", "quantization")
 _PEFT_PREFIX = "base_model.model."
 
 
@@ -49,7 +51,7 @@ def export_adapter(peft_model: nn.Module, out_dir: str | Path, base: dict | None
     """peft ``save_pretrained`` of the adapter (``adapter_model.safetensors`` +
     ``adapter_config.json``); trainable non-LoRA parameters (the RMSNorm scales of
     ``trainable_norms``) go to ``trainable_norms.safetensors`` under their HF names. ``base``:
-    the base it was trained on ({"model", "dtype", "seed"}), recorded in ``qerl_base.json`` and as
+    the base it was trained on ({"model", "dtype", "seed", "quantization"}), recorded in ``qerl_base.json`` and as
     peft's ``base_model_name_or_path`` (which a model built in code leaves empty)."""
     if not _is_peft(peft_model):
         raise ValueError("export_adapter needs a peft model")
@@ -69,11 +71,13 @@ def _write_base(out: Path, base: dict | None) -> None:
     """``qerl_base.json`` beside an adapter, or none (an earlier run's file removed)."""
     (out / BASE_FILE).unlink(missing_ok=True)
     if base:
-        (out / BASE_FILE).write_text(json.dumps({k: base.get(k) for k in ("model", "dtype", "seed")}, indent=1) + "\n")
+        (out / BASE_FILE).write_text(json.dumps({k: base.get(k) for k in BASE_KEYS}, indent=1) + "\n")
 
 
 def read_base(adapter_dir: str | Path) -> dict | None:
     """The base an adapter directory records (``qerl_base.json``), or None (no file: not written by qerl)."""
+    if not Path(adapter_dir).is_dir():  # (the adapter's own loader says what is wrong with the path)
+        return None
     try:
         base = json.loads((Path(adapter_dir) / BASE_FILE).read_text())
     except FileNotFoundError:
@@ -84,13 +88,14 @@ def read_base(adapter_dir: str | Path) -> dict | None:
 
 
 def checkpoint_base(ckpt: dict) -> dict:
-    """The base a training checkpoint's run built ({"model", "dtype", "seed"}): its ``qerl_base``
-    record, or for older files what its hyper-parameters and data module say."""
+    """The base a training checkpoint's run built ({"model", "dtype", "seed", "quantization"}): its
+    ``qerl_base`` record, or for older files what its hyper-parameters and data module say."""
     hp = ckpt.get("hyper_parameters") or {}
     recorded = ckpt.get("qerl_base")
     if isinstance(recorded, dict):
-        return {"model": recorded.get("model"), "dtype": recorded.get("dtype"), "seed": recorded.get("seed")}
-    return {"model": hp.get("model"), "dtype": hp.get("dtype"), "seed": trained_seed(ckpt)}
+        return {k: recorded.get(k, hp.get(k)) for k in BASE_KEYS}
+    return {"model": hp.get("model"), "dtype": hp.get("dtype"), "seed": trained_seed(ckpt),
+            "quantization": hp.get("quantization")}
 
 
 def trained_seed(ckpt: dict) -> int | None:

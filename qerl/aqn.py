@@ -76,6 +76,7 @@ class ConstantNoise(NoiseController):
 
     def __init__(self, sigma: float = 1e-2) -> None:
         super().__init__()
+        _check("ConstantNoise", sigma__ge_0=sigma >= 0)
         self.value = float(sigma)
 
     def sigma(self, step: int, state: MonitorState | None = None) -> float:
@@ -83,6 +84,16 @@ class ConstantNoise(NoiseController):
 
     def stage(self, step: int) -> int:
         return 0
+
+
+def _check(owner: str, **conditions: bool) -> None:
+    """One line naming the first setting whose condition fails (at construction, not at the first step):
+    ``sigma__ge_0=sigma >= 0`` reads "needs sigma >= 0"."""
+    for what, ok in conditions.items():
+        if not ok:
+            name, _, rest = what.partition("__")
+            op, _, bound = rest.partition("_")
+            raise ValueError(f"{owner} needs {name} {dict(ge='>=', gt='>')[op]} {bound}")
 
 
 def _max_steps(own: int | None, state: MonitorState | None) -> int:
@@ -113,6 +124,7 @@ class StagedSchedule(NoiseController):
         super().__init__()
         if num_stages < 2:
             raise ValueError("num_stages must be >= 2 (stage 0 is noise-free)")
+        _check(type(self).__name__, sigma_start__ge_0=sigma_start >= 0, sigma_end__ge_0=sigma_end >= 0)
         self.sigma_start, self.sigma_end = float(sigma_start), float(sigma_end)
         self.num_stages, self.max_steps, self.reach_end = int(num_stages), max_steps, reach_end
         self._state_max_steps: int | None = None
@@ -199,6 +211,9 @@ class OscillatingSchedule(NoiseController):
         super().__init__()
         if period < 1:
             raise ValueError("period must be >= 1")
+        _check("OscillatingSchedule", sigma_start__gt_0=sigma_start > 0, sigma_end__gt_0=sigma_end > 0,
+               reheat_amplitude__ge_0=reheat_amplitude >= 0, reheat_decay__ge_0=reheat_decay >= 0,
+               reheat_width__gt_0=reheat_width is None or reheat_width > 0, warmup_steps__ge_0=warmup_steps >= 0)
         self.sigma_start, self.sigma_end, self.period = float(sigma_start), float(sigma_end), int(period)
         self.reheat_amplitude, self.reheat_decay, self.relative = reheat_amplitude, reheat_decay, relative
         self.reheat_width = float(reheat_width) if reheat_width is not None else period / 4.0
@@ -272,6 +287,8 @@ class AdaptiveNoise(NoiseController):
                  boost: float = 2.0, sigma_max: float = 2e-2, cooldown: int = 10,
                  entropy_floor: float | None = None, sigma_min: float = 0.0) -> None:
         super().__init__()
+        _check("AdaptiveNoise", window__ge_1=window >= 1, cooldown__ge_0=cooldown >= 0, epsilon__ge_0=epsilon >= 0,
+               boost__gt_0=boost > 0, sigma_min__ge_0=sigma_min >= 0, sigma_max__ge_sigma_min=sigma_max >= sigma_min)
         self.base = base if base is not None else ExponentialSchedule()
         self.window, self.epsilon, self.boost, self.sigma_max = int(window), epsilon, boost, sigma_max
         self.cooldown, self.entropy_floor, self.sigma_min = int(cooldown), entropy_floor, sigma_min

@@ -260,9 +260,10 @@ def _check_paths(parser: argparse.ArgumentParser, args: argparse.Namespace) -> N
                      f"{', ...' if len(foreign) > 3 else ''}): --overwrite replaces only an earlier export")
     if args.adapter and not is_ckpt and not (Path(args.adapter) / "adapter_config.json").is_file():
         parser.error(f"--adapter {args.adapter}: no adapter_config.json there (a peft adapter directory)")
-    if args.adapter and args.format == "bf16" and not args.from_nvfp4:
-        log.warning("--format bf16 --adapter: the adapter was trained on the NVFP4 base; --from-nvfp4 exports "
-                    "that base (dequantized) instead of the original 16-bit weights")
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        parser.error(f"--device {args.device}, but this machine has no CUDA device (torch {torch.__version__})")
+    if args.from_trained_base and (args.format != "bf16" or not args.adapter):
+        parser.error("--from-trained-base goes with --format bf16 and an --adapter")
 
 
 # What an export writes, all of which --overwrite replaces: the checkpoint, its config and tokenizer,
@@ -339,15 +340,36 @@ def _check_trained_base(parser: argparse.ArgumentParser, args: argparse.Namespac
                 "model?)", args.model, args.adapter, trained_on)
 
 
-def _base_settings(parser: argparse.ArgumentParser, args: argparse.Namespace) -> tuple[str, int]:
-    """(dtype, seed) to build the base in, once --model is checked against the adapter's recorded base.
+def _base_quantization(args: argparse.Namespace, trained: str | None) -> str:
+    """How to load --model: ``nvfp4`` for an NVFP4 export; for a dense one the original weights, or the
+    base the adapter trained on, dequantized (``--from-trained-base``; ``--from-nvfp4``: NVFP4's).
+    ``trained``: the quantization the adapter records (None: not recorded)."""
+    if args.format == "nvfp4":
+        if args.adapter and trained in ("bf16", "nf4"):
+            log.warning("--adapter was trained on the %s base: in an NVFP4 export it runs on other weights than it "
+                        "trained on (--format bf16 --from-trained-base exports that base)", trained)
+        return "nvfp4"
+    if args.from_nvfp4:
+        return "nvfp4"
+    if args.from_trained_base:
+        return trained or "nvfp4"  # not recorded: the default arm's
+    if args.adapter and trained != "bf16":
+        log.warning("--format bf16 --adapter: the adapter was trained on the %s base; --from-trained-base exports "
+                    "that base (dequantized) instead of the original 16-bit weights",
+                    (trained or "NVFP4 (not recorded: the default)").upper())
+    return "bf16"
+
+
+def _base_settings(parser: argparse.ArgumentParser, args: argparse.Namespace) -> tuple[str, int, str | None]:
+    """(dtype, seed, quantization) of the base the adapter trained on, once --model is checked against
+    the adapter's recorded base (quantization None: not recorded).
     With a training checkpoint, or an adapter directory qerl wrote (``qerl_base.json``), the run's:
     NVFP4 codes of weights loaded (a .gguf dequantized) or randomly initialised in another dtype
     differ, and a tiny model's weights are its seed's; ``--dtype`` then casts only the dense tensors
     written."""
     seed = 0 if args.seed is None else args.seed
     if not args.adapter:
-        return args.dtype, seed
+        return args.dtype, seed, None
     if str(args.adapter).endswith(".ckpt"):
         try:
             ckpt = _load_checkpoint(args.adapter)
@@ -363,19 +385,19 @@ def _base_settings(parser: argparse.ArgumentParser, args: argparse.Namespace) ->
         if base is None:  # not written by qerl: only peft's record of the base's name
             _check_trained_base(parser, args, config.get("base_model_name_or_path") if isinstance(config, dict) else None,
                                 strict=False)
-            return args.dtype, seed
-    dtype = base.get("dtype") or args.dtype
+            return args.dtype, seed, None
+    dtype, quantization = base.get("dtype") or args.dtype, base.get("quantization")
     _check_trained_base(parser, args, base.get("model"), strict=True)
     if args.model not in TINY_MODEL_NAMES or (base.get("model") or args.model) != args.model:
-        return dtype, seed  # the run's seed built another model
+        return dtype, seed, quantization  # the run's seed built another model
     trained = base.get("seed")
     if trained is None:
         if args.seed is None:
             log.warning("%s does not record its tiny model's seed: building seed 0 (else pass --seed)", args.adapter)
-        return dtype, seed
+        return dtype, seed, quantization
     if args.seed is not None and args.seed != trained:
         parser.error(f"--seed {args.seed}, but --adapter {args.adapter} was trained on {args.model} of seed {trained}")
-    return dtype, int(trained)
+    return dtype, int(trained), quantization
 
 
 def main(argv: list[str] | None = None) -> Path:
@@ -388,11 +410,15 @@ def main(argv: list[str] | None = None) -> Path:
     parser.add_argument("--overwrite", action="store_true", help="replace the export already in --out")
     parser.add_argument("--adapter", default=None,
                         help="peft adapter dir (written by export_adapter / save_pretrained) or a training .ckpt")
-    parser.add_argument("--dtype", default="bf16", choices=["bf16", "fp16"],
-                        help="dtype of the 16-bit tensors (a training .ckpt's base is built in its own dtype first)")
+    parser.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"],
+                        help="dtype of the dense tensors (a training .ckpt's base is built in its own dtype first; "
+                             "fp32 keeps an fp32 run's exactly)")
     parser.add_argument("--device", default="cpu", help="where to quantize (cuda is faster for big models)")
     parser.add_argument("--from-nvfp4", action="store_true",
                         help="with --format bf16: export the dequantized NVFP4 weights instead of the originals")
+    parser.add_argument("--from-trained-base", action="store_true",
+                        help="with --format bf16 --adapter: export the base the adapter trained on (NVFP4 or NF4 "
+                             "dequantized, bf16 as is), so the export gives the trained model's outputs")
     parser.add_argument("--seed", type=int, default=None,
                         help="seed of the tiny random models (default: a training .ckpt's, else 0)")
     args = parser.parse_args(argv)
@@ -402,12 +428,12 @@ def main(argv: list[str] | None = None) -> Path:
         out = _replace_export(Path(args.out), lambda tmp: _checkpoint_adapter(parser, args.adapter, tmp))
         print(out)
         return out
-    quantization = "nvfp4" if args.format == "nvfp4" or args.from_nvfp4 else "bf16"
-    base_dtype, seed = _base_settings(parser, args)
+    base_dtype, seed, trained_quantization = _base_settings(parser, args)
+    quantization = _base_quantization(args, trained_quantization)
     try:
         model, tokenizer = load_policy(args.model, quantization, None, dtype=base_dtype, device=args.device, seed=seed)
-    except (OSError, ValueError) as err:  # unknown model path / id, unreadable GGUF
-        parser.error(f"cannot load --model {args.model}: {err}")
+    except (OSError, ValueError, ImportError) as err:  # unknown model path / id, unreadable GGUF, nf4 without its library
+        parser.error(f"cannot load --model {args.model} as {quantization}: {err}")
     if args.adapter:
         with tempfile.TemporaryDirectory() as tmp:
             is_ckpt = str(args.adapter).endswith(".ckpt")
@@ -420,7 +446,8 @@ def main(argv: list[str] | None = None) -> Path:
     def write(tmp: Path) -> None:
         export(model, tokenizer, tmp, dtype=args.dtype)
         if args.adapter and (tmp / ADAPTER_SUBDIR).is_dir():  # the base it runs on, for a later export
-            _write_base(tmp / ADAPTER_SUBDIR, {"model": args.model, "dtype": base_dtype, "seed": seed})
+            _write_base(tmp / ADAPTER_SUBDIR, {"model": args.model, "dtype": base_dtype, "seed": seed,
+                                               "quantization": quantization})
     out = _replace_export(Path(args.out), write)
     print(out)
     return out

@@ -11,6 +11,7 @@ standard normals.
 from __future__ import annotations
 
 import contextlib
+import math
 import re
 from collections.abc import Iterator, Sequence
 
@@ -147,6 +148,8 @@ class NoisyNorms:
         """
         if scale_precision not in ("fp32", "bf16"):
             raise ValueError(f"scale_precision must be 'fp32' or 'bf16', not {scale_precision!r}")
+        if not (math.isfinite(sigma) and sigma >= 0):  # a custom controller's -0.01 would silently mean no noise
+            raise ValueError(f"AQN sigma must be >= 0 and finite, got {sigma} at step {step}")
         self.sigma, self.seed, self.step = float(sigma), int(seed), int(step)
         gen = torch.Generator().manual_seed(noise_seed(seed, step))
         for top, leaves in self._targets.values():

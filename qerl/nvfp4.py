@@ -190,7 +190,8 @@ class NVFP4WeightTensor(TorchAOBaseTensor):
         weight's own ``amax / 2688``; pass ``global_scale_for(q, k, v)`` to share one across a group.
         A weight with inf / NaN is a ValueError that starts with ``name`` (see :func:`check_finite`)."""
         if weight.dim() != 2 or weight.shape[1] % BLOCK_SIZE:
-            raise ValueError(f"NVFP4 needs a 2-D weight with K divisible by 16, got shape {tuple(weight.shape)}")
+            raise ValueError(f"{name + ': ' if name else ''}NVFP4 needs a 2-D weight with K divisible by 16, got shape "
+                             f"{tuple(weight.shape)} (quantization: bf16 or nf4 runs such a model)")
         orig_dtype = weight.dtype
         # torchao rejects fp16 input; its math runs in fp32 anyway.
         w = weight.detach()

@@ -93,6 +93,19 @@ def test_exponential_needs_positive_endpoints_and_linear_may_reach_zero():
     assert LinearSchedule(1e-2, 0.0, num_stages=4, max_steps=8).sigma(7) == 0.0
 
 
+@pytest.mark.parametrize("build,message", [
+    (lambda: ConstantNoise(-0.01), "ConstantNoise needs sigma >= 0"),  # (a negative sigma meant no noise)
+    (lambda: LinearSchedule(1e-2, -1e-3), "LinearSchedule needs sigma_end >= 0"),
+    (lambda: OscillatingSchedule(sigma_start=0.0), "OscillatingSchedule needs sigma_start > 0"),  # (divided by it)
+    (lambda: OscillatingSchedule(reheat_width=0.0), "OscillatingSchedule needs reheat_width > 0"),
+    (lambda: AdaptiveNoise(window=0), "AdaptiveNoise needs window >= 1"),  # (divided by it at the first step)
+    (lambda: AdaptiveNoise(sigma_min=0.05), "AdaptiveNoise needs sigma_max >= sigma_min"),
+])
+def test_bad_controller_settings_fail_at_construction(build, message):
+    with pytest.raises(ValueError, match=message):
+        build()
+
+
 @pytest.mark.parametrize("relative", [True, False])
 def test_oscillating_reheats_at_configured_steps(relative):
     amp = 1.0 if relative else 4e-3
@@ -383,6 +396,9 @@ def test_bf16_scale_precision_keeps_small_noise_alive_in_a_bf16_copy():
     assert all(torch.equal(scales[n], s) for n, s in norms.effective_scales().items())
     with pytest.raises(ValueError, match="scale_precision"):
         norms.set_noise(1e-3, seed=0, step=0, scale_precision="fp16")
+    for bad in (-1e-3, float("nan"), float("inf")):  # a custom controller's: no silent "no noise"
+        with pytest.raises(ValueError, match="AQN sigma must be >= 0 and finite"):
+            norms.set_noise(bad, seed=0, step=0)
 
 
 def test_torch_compile_follows_noise_without_recompiling():

@@ -189,6 +189,14 @@ def test_validate_with_adapter_path_loads_the_trained_adapter_and_norms(tmp_path
     assert any("layernorm" in n for n in checked) and any("lora_B" in n for n in checked)
     for name in checked:
         assert torch.equal(got[name], want[name]), name
+    # the adapter records its base (qerl_base.json): another seed of the tiny model is refused before
+    # anything loads, another quantization arm or dtype is a warning
+    with pytest.raises(ValueError, match="was trained on tiny-qwen2 of seed 0, this run builds seed 5"):
+        main(["validate", *fast_args(tmp_path / "val2", 2), "--model.lora.trainable_norms=true",
+              f"--model.adapter_path={adapter}", "--model.seed=5"])
+    with pytest.warns(UserWarning, match=r"was trained on another base \(quantization nvfp4 \(this run: bf16\)\)"):
+        main(["validate", *fast_args(tmp_path / "val3", 2), "--model.lora.trainable_norms=true",
+              f"--model.adapter_path={adapter}", "--model.quantization=bf16"])
 
 
 def test_report_columns_in_reading_order():

@@ -3,6 +3,7 @@ decompressor and config objects, and transformers' compressed-tensors loader), t
 checkpoint, the adapter, and the CLI."""
 
 import json
+import logging
 import os
 import re
 import subprocess
@@ -14,6 +15,7 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
+from qerl.adapter import BASE_FILE
 from qerl.export import (
     ADAPTER_SUBDIR,
     TRAINABLE_NORMS_FILE,
@@ -45,9 +47,10 @@ def _ids(seed=0, shape=(2, 12)):
     return torch.randint(4, 100, shape, generator=torch.Generator().manual_seed(seed))
 
 
-def _trained_lora_policy(arch="tiny-qwen2", dtype="bf16"):
-    """An NVFP4 policy with a non-zero adapter and moved (trainable) norms, as after training."""
-    model, tok = load_policy(arch, "nvfp4", LoraSettings(rank=4, alpha=8, trainable_norms=True), dtype=dtype, seed=SEED)
+def _trained_lora_policy(arch="tiny-qwen2", dtype="bf16", quantization="nvfp4"):
+    """An NVFP4 (or ``quantization``) policy with a non-zero adapter and moved (trainable) norms, as after training."""
+    model, tok = load_policy(arch, quantization, LoraSettings(rank=4, alpha=8, trainable_norms=True), dtype=dtype,
+                             seed=SEED)
     gen = torch.Generator().manual_seed(7)
     with torch.no_grad():
         for n, p in model.named_parameters():
@@ -396,6 +399,31 @@ def test_cli(tmp_path):
         assert torch.equal(served(_ids()).logits, model(_ids()).logits)
 
 
+@pytest.mark.parametrize("quantization", ["nf4", "bf16", "nvfp4"])
+def test_cli_exports_the_base_each_arm_trained_on(tmp_path, caplog, quantization):
+    """An adapter records its arm (``qerl_base.json``): ``--format bf16 --from-trained-base`` rebuilds that
+    base (NF4 / NVFP4 dequantized, bf16 as is) and the export reproduces the trained model; without the
+    flag a quantized arm is warned about, and an NVFP4 export of another arm says it differs."""
+    model, _ = _trained_lora_policy(dtype="fp32", quantization=quantization)
+    base = {"model": "tiny-qwen2", "dtype": "fp32", "seed": SEED, "quantization": quantization}
+    export_adapter(model, tmp_path / "adapter", base=base)
+    assert json.loads((tmp_path / "adapter" / BASE_FILE).read_text()) == base
+    out = main(["--model", "tiny-qwen2", "--format", "bf16", "--from-trained-base", "--dtype", "fp32",
+                "--adapter", str(tmp_path / "adapter"), "--out", str(tmp_path / "out")])
+    assert json.loads((out / ADAPTER_SUBDIR / BASE_FILE).read_text())["quantization"] == quantization
+    served = load_adapter(AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32), out / ADAPTER_SUBDIR)
+    with torch.no_grad():
+        torch.testing.assert_close(served(_ids()).logits, model(_ids()).logits, rtol=0, atol=1e-5)
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="qerl.export"):
+        main(["--model", "tiny-qwen2", "--format", "bf16", "--adapter", str(tmp_path / "adapter"),
+              "--out", str(tmp_path / "orig")])
+        main(["--model", "tiny-qwen2", "--adapter", str(tmp_path / "adapter"), "--out", str(tmp_path / "nvfp4")])
+    original_warned = f"trained on the {quantization.upper()} base; --from-trained-base" in caplog.text
+    nvfp4_warned = f"trained on the {quantization} base: in an NVFP4 export" in caplog.text
+    assert original_warned == (quantization != "bf16") and nvfp4_warned == (quantization != "nvfp4")
+
+
 def test_cli_refuses_to_clobber(tmp_path, capsys):
     """An existing export, the model's own directory or a missing adapter stop the CLI before any
     loading, with one line on stderr; --overwrite replaces an export and drops its stale adapter."""
@@ -517,7 +545,7 @@ def test_checkpoint_export_rebuilds_the_trained_tiny_base(tmp_path, capsys, seed
         ckpt.update(datamodule_hyper_parameters={"seed": None}, PromptDataModule={"seed": seed})
         del ckpt["qerl_base"]          # in a file from before the run's base was recorded
     else:  # the run's record wins over what the hyper-parameters and data module say
-        assert ckpt["qerl_base"] == {"model": "tiny-qwen2", "dtype": "fp32", "seed": seed}
+        assert ckpt["qerl_base"] == {"model": "tiny-qwen2", "dtype": "fp32", "seed": seed, "quantization": "nvfp4"}
         ckpt.update(datamodule_hyper_parameters={"seed": 7}, PromptDataModule={"seed": 7})
         ckpt["hyper_parameters"]["seed"] = None
     torch.save(ckpt, tmp_path / "last.ckpt")

@@ -168,6 +168,11 @@ def test_unusable_ckpt_paths_fail_before_the_run(tmp_path, monkeypatch):
     with pytest.raises(ValueError, match="no last\\*.ckpt in .*ckpt: nothing to validate"):
         main(["validate", *fast_args(tmp_path, 1, ["--ckpt_path", "last"])])
     check_ckpt_path("fit", "last", [str(tmp_path / "ckpt")])  # a fit starts from scratch instead
+    with pytest.raises(ValueError, match="no ModelCheckpoint with a dirpath in the config"):
+        check_ckpt_path("test", "last", [])  # Lightning would look nowhere and test the untrained model
+    torch.save({"weights": torch.ones(2)}, tmp_path / "other.ckpt")  # readable, not Lightning's
+    with pytest.raises(ValueError, match="other.ckpt is not a Lightning checkpoint"):
+        check_ckpt_path("validate", str(tmp_path / "other.ckpt"), [])
 
 
 def test_sigterm_stops_after_the_batch_and_saves_last(tmp_path, monkeypatch):
