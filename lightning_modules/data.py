@@ -84,7 +84,9 @@ class PromptDataModule(L.LightningDataModule):
             overrides the layout default).
         answer_key: Field holding the gold answer in ``train_source`` (needed for ``custom``;
             overrides the layout default).
-        system_prompt: System message before every question; None or "" for none.
+        system_prompt: System message before every question; None or "" for none (then the model's
+            chat template decides: Qwen2.5's adds its own "You are Qwen, created by Alibaba Cloud..."
+            prompt, which does not ask for ``\\boxed{}``).
         prompts_per_step: Prompts per training batch (per device); each is sampled G times later.
         max_prompt_length: Longest training prompt in tokens (chat template included); longer
             prompts are dropped, with a logged count.

@@ -67,10 +67,11 @@ class PassAtK(Metric):
                 self.sampled_pass[j] += sum(pass_at_k(n, int(ci), k) for ci in c.tolist())
 
     def compute(self) -> dict[str, torch.Tensor]:
-        p = self.problems.clamp(min=1)
-        out = {"pass@1": self.greedy_correct / p}
+        # the ratios in float64: 2/3 reads 0.6666666666666666 in the JSON report, not float32's 0.6666666269302368
+        p = self.problems.clamp(min=1).double()
+        out = {"pass@1": self.greedy_correct.double() / p}
         if self.k > 0:
-            out[f"mean@{self.k}"] = self.sampled_mean / p
+            out[f"mean@{self.k}"] = self.sampled_mean.double() / p
             for j, k in enumerate(self.pass_k):
-                out[f"pass@{k}"] = self.sampled_pass[j] / p
+                out[f"pass@{k}"] = self.sampled_pass[j].double() / p
         return out
