@@ -19,7 +19,7 @@ from typing import Literal
 import lightning as L
 import torch
 
-from qerl.seeding import resolve_seed
+from qerl.seeding import resolve_seed, warn_if_seed_changed
 from qerl.aqn import ExponentialSchedule, MonitorState, NoiseController, attach_noisy_norms
 
 log = logging.getLogger(__name__)
@@ -140,9 +140,11 @@ class AQNCallback(L.Callback):
             "controller": self.controller.state_dict(),
             "rewards": list(self.monitor.rewards),
             "entropies": list(self.monitor.entropies),
+            "seed": self.seed,
         }
 
     def load_state_dict(self, state_dict: dict) -> None:
+        warn_if_seed_changed("AQNCallback (the noise draws)", state_dict.get("seed"), self.seed)
         self.controller.load_state_dict(state_dict.get("controller", {}))
         self.monitor.rewards = list(state_dict.get("rewards", []))
         self.monitor.entropies = list(state_dict.get("entropies", []))

@@ -25,7 +25,7 @@ from qerl.rewards import MathAccuracy, RewardFunction, extract_answer
 from qerl.rollout import Rollout, RolloutEngine, SamplingSettings, pad_left, pad_right, stop_token_ids
 from qerl.rollout.hf import HFEngine, check_adapter_dtype
 from qerl.rollout.vllm import VLLMSettings  # settings only: vllm itself is imported when the engine starts
-from qerl.seeding import resolve_seed
+from qerl.seeding import resolve_seed, warn_if_seed_changed
 
 
 def generation_seed(seed: int, step: int, round_: int, rank: int = 0) -> int:
@@ -177,6 +177,12 @@ class RolloutCallback(L.Callback):
                 raise ValueError(f"{what} ({longest} tokens) + {name}={count} exceeds vllm.max_model_len={limit}: "
                                  "raise vllm.max_model_len, or lower the other two (data.max_eval_prompt_length "
                                  "caps evaluation prompts)")
+
+    def state_dict(self) -> dict:
+        return {"seed": self.seed}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        warn_if_seed_changed("RolloutCallback (the sampler)", state_dict.get("seed"), self.seed)
 
     # ------------------------------------------------------------------ the rollout
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:

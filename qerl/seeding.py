@@ -15,6 +15,16 @@ def resolve_seed(seed: int | None) -> int:
     return int(os.environ.get("PL_GLOBAL_SEED", 0))
 
 
+def warn_if_seed_changed(what: str, saved: int | None, current: int) -> None:
+    """On resume: a component whose seed differs from the checkpoint's draws another stream from here on
+    (its ``seed`` left null follows ``seed_everything``, which a resume may have changed)."""
+    if saved is not None and int(saved) != current:
+        import warnings
+
+        warnings.warn(f"{what}: seed {current}, the checkpoint's {saved}: from here on the run differs from the one "
+                      f"it resumes (its seed, or seed_everything, {saved} continues that one)", stacklevel=2)
+
+
 def global_rng_state() -> dict:
     """Python's, NumPy's and torch's (CPU + CUDA) global generator states, in plain types (a
     ``weights_only`` checkpoint load accepts them)."""

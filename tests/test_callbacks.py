@@ -2,6 +2,7 @@
 
 from types import SimpleNamespace
 
+import pytest
 import torch
 
 from callbacks import AQNCallback, RolloutCallback
@@ -269,3 +270,14 @@ def test_group_of_one_or_bad_batch_settings_fail_at_construction():
         RolloutCallback(group_size=1)  # every advantage would be 0: only a KL term would train
     with pytest.raises(ValueError, match="max_batch_size must be >= 1 and max_refill_rounds in 0..15, got 0 and 2"):
         RolloutCallback(max_batch_size=0)
+
+
+def test_a_resume_with_another_seed_warns():
+    """A callback whose seed follows seed_everything draws another stream if a resume changed it."""
+    aqn, rollout = AQNCallback(controller=ConstantNoise(sigma=0.0), seed=1), RolloutCallback(reward=CharIsA(), seed=1)
+    for cb, what in ((aqn, "AQNCallback"), (rollout, "RolloutCallback")):
+        state = cb.state_dict()
+        assert state["seed"] == 1
+        cb.load_state_dict(state)  # the same seed: silent
+        with pytest.warns(UserWarning, match=f"{what} .*: seed 1, the checkpoint's 7: from here on the run differs"):
+            cb.load_state_dict({**state, "seed": 7})
