@@ -271,6 +271,8 @@ def _choose(op, a, qdata, scale, pts, out) -> Config:
     if os.environ.get("QERL_KERNELS_VERBOSE", "0") == "1":
         print(f"[kernels] tune {op} M={M} N={N} K={K}: "
               + "; ".join(f"{c.short()} {ms * 1e3:.1f}us" for ms, c in res), flush=True)
+    if not res:  # every candidate failed (out of memory mid-training, say): the default, not cached
+        return cands[0]
     _TUNED[key] = res[0][1]
     return _TUNED[key]
 
@@ -285,7 +287,11 @@ def tune(op, a, qdata, scale, pts, out, cands, copy_bytes=2e8, reps=7):
     """
     nbytes = qdata.numel() + scale.numel()
     n_copies = max(0, min(31, int(copy_bytes // nbytes)))
-    weights = [(qdata, scale)] + [(qdata.clone(), scale.clone()) for _ in range(n_copies)]
+    weights = [(qdata, scale)]
+    try:
+        weights += [(qdata.clone(), scale.clone()) for _ in range(n_copies)]
+    except torch.cuda.OutOfMemoryError:  # at peak training memory: time from the one weight (L2-warm)
+        torch.cuda.empty_cache()
     n_launch = max(len(weights), 4)
     res = []
     for c in cands:

@@ -243,6 +243,28 @@ def _rotary_applies(q, k, cos, sin) -> bool:
             and q.stride(-1) == k.stride(-1) == cos.stride(-1) == 1)
 
 
+_HALF_SPLIT_ROTARY: dict[str, bool] = {}  # module name -> its apply_rotary_pos_emb is the kernel's rotation
+
+
+def _is_half_split_rotary(mod) -> bool:
+    """Whether a modeling module's ``apply_rotary_pos_emb`` is ``x * cos + rotate_half(x) * sin`` with the
+    half-split ``rotate_half`` (Llama, Qwen2/3, Mistral) that the kernel computes, tried once on small CPU
+    tensors: Cohere, Helium and ERNIE 4.5 rotate interleaved pairs, at the same call signature."""
+    if mod.__name__ not in _HALF_SPLIT_ROTARY:
+        gen = torch.Generator().manual_seed(0)
+        q, k = (torch.randn(1, 2, 3, 8, generator=gen, dtype=torch.float64) for _ in range(2))
+        cos, sin = (torch.randn(1, 3, 8, generator=gen, dtype=torch.float64) for _ in range(2))
+        half = lambda x: torch.cat((-x[..., 4:], x[..., :4]), -1)  # noqa: E731
+        want = [x * cos[:, None] + half(x) * sin[:, None] for x in (q, k)]
+        try:
+            got = mod.apply_rotary_pos_emb(q, k, cos, sin)
+            ok = all(torch.allclose(g, w, rtol=1e-12, atol=1e-12) for g, w in zip(got, want))
+        except Exception:  # noqa: BLE001 - another signature or shape contract: not ours to replace
+            ok = False
+        _HALF_SPLIT_ROTARY[mod.__name__] = ok
+    return _HALF_SPLIT_ROTARY[mod.__name__]
+
+
 def _fused_rotary(original):
     def apply_rotary_pos_emb(q, k, cos, sin, *args, **kwargs):
         # transformers calls it with 4 positional tensors; anything else (position_ids of older
@@ -317,7 +339,7 @@ def fused_ops(model: torch.nn.Module):
         for name in {type(m).__module__ for m in model.modules()}:
             mod = sys.modules.get(name)
             original = getattr(mod, "apply_rotary_pos_emb", None)
-            if callable(original) and hasattr(mod, "rotate_half"):
+            if callable(original) and hasattr(mod, "rotate_half") and _is_half_split_rotary(mod):
                 mod.apply_rotary_pos_emb = _fused_rotary(original)
                 rotaries.append((mod, original))
         yield (len(norms), len(mlps), bool(rotaries))

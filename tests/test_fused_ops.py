@@ -183,6 +183,28 @@ def test_fused_rotary_passes_what_it_does_not_handle_to_the_original():
     assert calls == [(5, {"unsqueeze_dim": 1}), (4, {"unsqueeze_dim": 2}), (4, {})]
 
 
+def test_interleaved_rotary_models_keep_their_own_rotation(monkeypatch):
+    """Cohere, Helium and ERNIE 4.5 rotate interleaved pairs with the same call signature: the
+    half-split kernel would silently scramble their attention, so their modules are not patched."""
+    import importlib
+
+    from qerl.fused_ops import _is_half_split_rotary, fused_ops
+
+    half_split = {name: _is_half_split_rotary(importlib.import_module(f"transformers.models.{name}.modeling_{name}"))
+                  for name in ("qwen2", "qwen3", "llama", "mistral", "cohere", "helium", "ernie4_5")}
+    assert half_split == {"qwen2": True, "qwen3": True, "llama": True, "mistral": True,
+                          "cohere": False, "helium": False, "ernie4_5": False}
+    from transformers import CohereConfig, CohereForCausalLM
+    import transformers.models.cohere.modeling_cohere as cohere
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    model = CohereForCausalLM(CohereConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                           num_attention_heads=2, num_key_value_heads=1))
+    original = cohere.apply_rotary_pos_emb
+    with fused_ops(model) as (_, _, rotary_patched):
+        assert not rotary_patched and cohere.apply_rotary_pos_emb is original
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not CUDA, reason="needs CUDA")
 def test_gpu_fused_kernels_bf16():

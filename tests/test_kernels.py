@@ -93,6 +93,23 @@ def test_shape_validation():
         kernels.nvfp4_linear_grad_input(torch.randn(2, 31), q, s, p)
 
 
+def test_autotune_with_every_candidate_failing_falls_back_to_the_default(monkeypatch):
+    """tune() skips candidates that fail (out of memory at peak training memory): with none left the
+    default config runs, uncached, instead of an IndexError inside a forward or backward."""
+    from types import SimpleNamespace
+
+    from kernels import _launch as L
+
+    monkeypatch.setattr(L, "tune", lambda *args, **kwargs: [])
+    monkeypatch.setenv("QERL_KERNELS_AUTOTUNE", "1")
+    monkeypatch.setattr(L, "_interpret", lambda: False)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    a = SimpleNamespace(shape=(8, 1000), dtype=torch.bfloat16, device=torch.device("cuda"))  # no preset: tunes
+    q, s, p = rand_weight(1008, 1000)
+    cfg = L._choose("fwd", a, q, s, p, None)
+    assert cfg == L.candidates("fwd", L._bucket(8))[0] and not any(k[3:] == (1008, 1000) for k in L._TUNED)
+
+
 # ---------------------------------------------------------------------------------------- GPU
 SHAPES = [  # (M, N, K): M off the blocks, K not a multiple of 64, N off the tiles, split and not
     (1, 256, 80), (1, 4608, 3584), (3, 96, 208), (7, 3584, 18944), (16, 1000, 1040),
