@@ -234,7 +234,7 @@ writes only its adapter into --out (no --model needed, nothing loaded but the ch
 examples:
   python -m qerl.export --model Qwen/Qwen2.5-7B-Instruct --format nvfp4 --out exports/q7b-nvfp4 --device cuda
   python -m qerl.export --model Qwen/Qwen2.5-7B-Instruct --adapter logs/run/version_0/adapter --out exports/rl
-  vllm serve exports/rl --enable-lora --lora-modules policy=exports/rl/adapter
+  vllm serve exports/rl --enable-lora --max-lora-rank 32 --lora-modules policy=exports/rl/adapter
   python -m qerl.export --format adapter --adapter checkpoints/run/last.ckpt --out exports/rl-step600
 """
 

@@ -267,6 +267,18 @@ def test_engine_greedy_repeats_prompts_and_trainable_norms(fake_vllm, tmp_path):
     assert gen.completion_ids == [[7, 2]] * 3 + [[8, 2]] * 3
 
 
+def test_trained_norms_rounded_in_vllm_say_so_without_blaming_aqn(fake_vllm, tmp_path, caplog):
+    """Trainable norms are fp32 master weights: vLLM's bf16 copy moves in whole bf16 steps. Without
+    AQN the warning names that, not the AQN noise or a setting that cannot be changed."""
+    model, tok = _policy(trainable_norms=True)
+    with torch.no_grad():
+        model.get_parameter("base_model.model.model.layers.1.input_layernorm.weight").fill_(1.001)
+    engine = VLLMEngine([tok.eos_token_id], VLLMSettings(export_dir=str(tmp_path), sleep=False), tokenizer=tok)
+    engine.sync(model, None)
+    assert engine.norm_cast_error > 0 and "the trained norm scales (fp32 master weights)" in caplog.text
+    assert "scale_precision" not in caplog.text
+
+
 def test_adapter_via_disk_uses_two_tmpfs_slots_and_removes_them(fake_vllm, tmp_path, monkeypatch):
     import gc
 
@@ -487,3 +499,9 @@ def test_torchrun_env_for_vllm_under_ddp(tmp_path, monkeypatch):
         assert "RANK" not in os.environ and os.environ["WORLD_SIZE"] == "7"
     finally:
         dist.destroy_process_group()
+
+
+def test_tensor_parallel_vllm_is_refused_in_one_line():
+    with pytest.raises(ValueError, match="vllm.llm_kwargs.tensor_parallel_size > 1: the colocated engine"):
+        VLLMSettings(llm_kwargs={"tensor_parallel_size": 2})
+    VLLMSettings(llm_kwargs={"tensor_parallel_size": 1, "enforce_eager": True})

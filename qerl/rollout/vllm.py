@@ -100,6 +100,13 @@ class VLLMSettings:
     adapter_via_disk: bool = False
     llm_kwargs: dict[str, Any] = field(default_factory=dict)
 
+    def __post_init__(self):
+        for key in ("tensor_parallel_size", "pipeline_parallel_size"):
+            if int(self.llm_kwargs.get(key, 1)) != 1:  # the model lives in worker processes then
+                raise ValueError(f"vllm.llm_kwargs.{key} > 1: the colocated engine runs vLLM in the trainer's process "
+                                 "(adapter and norm scales are written into its model in place); use one GPU per "
+                                 "rank (DDP: each rank runs its own vLLM)")
+
 
 # ----------------------------------------------------------------------------- pure helpers
 def allowed_lora_rank(rank: int) -> int:
@@ -351,14 +358,17 @@ class VLLMEngine(RolloutEngine):
     def _push_norms(self, model: nn.Module, norm_scales: dict[str, torch.Tensor] | None) -> None:
         scales = {hf_to_vllm_norm_name(n): p.detach() for n, p in model.named_parameters()
                   if p.requires_grad and "lora_" not in n}  # trainable norms: base weights in vLLM
+        trained = bool(scales)
         scales.update({hf_to_vllm_norm_name(n): s for n, s in (norm_scales or {}).items()})
         if scales:
             self.norm_cast_error = max(self.llm.apply_model(lambda m: copy_norm_scales(m, scales)))
-            if norm_scales and self.norm_cast_error > 0 and not self._warned_rounding:
-                log.warning("vLLM keeps norms in bf16: the norm scales were rounded to nearest (largest change "
-                            "%.2g), which erases AQN noise below half a bf16 step; with fp32 noisy scales set "
-                            "AQNCallback(scale_precision='bf16') (stochastic rounding in the trainer), and keep "
-                            "trainable norms in bf16", self.norm_cast_error)
+            if self.norm_cast_error > 0 and not self._warned_rounding:
+                causes = (["AQN noise below half a bf16 step is erased unless AQNCallback(scale_precision='bf16') "
+                           "rounds it stochastically in the trainer"] if norm_scales else []) + (
+                          ["the trained norm scales (fp32 master weights) reach vLLM in whole bf16 steps (~4e-3 "
+                           "near 1; the importance weights correct the difference)"] if trained else [])
+                log.warning("vLLM keeps norms in bf16: the norm scales were rounded to nearest (largest change %.2g): "
+                            "%s", self.norm_cast_error, "; ".join(causes))
                 self._warned_rounding = True
 
     @torch.inference_mode(False)  # validate/test run under inference mode: exporting the base cannot
