@@ -12,7 +12,9 @@ and pushes the adapter from memory, exactly as ``engine: vllm`` does in training
 2. **greedy**: ``--greedy-tokens`` greedy tokens per prompt from vLLM and from the trainer's own
    greedy decode (the HF engine on the same policy); per prompt the length of the common prefix.
 3. **sampled log-probs**: T = 1 completions from vLLM; their sampler log-probs against the
-   trainer's teacher-forced log-probs of the same tokens: mean / p99 / max |Δ|.
+   trainer's teacher-forced log-probs of the same tokens: mean / p99 / max |Δ|. vLLM has slept and
+   woken since the sync (after step 2), so this also shows the adapter survives a level-1 sleep,
+   which DAPO's refill rounds rely on (they generate again without a sync).
 4. **adapter live**: one Adam step on the LoRA weights; vLLM's log-probs of the same tokens (scored
    as prompt log-probs) before and after the next ``sync``, against the trainer's new ones.
 5. **AQN**: noise of std ``--sigma`` on the norms; vLLM (synced with the noisy scales) against the
