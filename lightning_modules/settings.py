@@ -36,7 +36,9 @@ class LossSettings:
             bnpo keeps rollout order (its token mean per micro-batch would weigh the tokens of short
             completions up in sorted micro-batches). false: in rollout order (each micro-batch is
             still cut to its own longest rows).
-        tis_level: importance weights per token or per sequence (trainer vs sampler log-probs).
+        tis_level: importance weights per token, per sequence (the product of its token ratios), or
+            geometric (their per-token geometric mean, length-independent; use a cap near 1, e.g. 1.01)
+            (trainer vs sampler log-probs).
         tis_mode: truncate (TIS: min(w, cap)) or mask (MIS: drop tokens with w > cap).
         tis_cap: the cap; null disables importance-sampling correction.
         mask_truncated: exclude completions that hit max_new_tokens from the loss (DAPO overlong filtering).
@@ -57,7 +59,7 @@ class LossSettings:
     updates_per_rollout: int = 1
     micro_batch_size: int = 8
     group_by_length: bool = True
-    tis_level: Literal["token", "sequence"] = "token"
+    tis_level: Literal["token", "sequence", "geometric"] = "token"
     tis_mode: Literal["truncate", "mask"] = "truncate"
     tis_cap: float | None = 2.0
     mask_truncated: bool = False

@@ -150,7 +150,7 @@ def truncated_is_weights(
     old_logprobs: Tensor,
     sampler_logprobs: Tensor,
     mask: Tensor,
-    level: Literal["token", "sequence"] = "token",
+    level: Literal["token", "sequence", "geometric"] = "token",
     mode: Literal["truncate", "mask"] = "truncate",
     cap: float = 2.0,
 ) -> Tensor:
@@ -161,6 +161,9 @@ def truncated_is_weights(
     level "token":    w_t = exp(old_t - sampler_t) per token.
     level "sequence": w = exp(sum over the sequence's valid tokens of (old - sampler)), the true
                       ratio of sequence probabilities, broadcast to every token of that sequence.
+    level "geometric": w = exp(mean over those tokens of (old - sampler)), the per-token geometric
+                      mean of that ratio: independent of the length, where a long completion's
+                      product drifts far from 1 (verl's geometric level; caps near 1, e.g. 1.01).
     mode "truncate" (TIS): min(w, cap).  mode "mask" (MIS): w where w <= cap, else 0 (drop the token
     or sequence rather than trust a badly mismatched sample).
     Both modes are evaluated in log space, exp(min(log w, log cap)), so a long sequence's summed
@@ -172,8 +175,11 @@ def truncated_is_weights(
     log_ratio = torch.where(valid, old_logprobs.detach().float() - sampler_logprobs.float(), zero)  # (N, T)
     if level == "sequence":
         log_ratio = log_ratio.sum(dim=-1, keepdim=True).expand_as(log_ratio)  # (N, 1) -> (N, T)
+    elif level == "geometric":
+        tokens = valid.sum(dim=-1, keepdim=True).clamp(min=1)
+        log_ratio = (log_ratio.sum(dim=-1, keepdim=True) / tokens).expand_as(log_ratio)  # (N, 1) -> (N, T)
     elif level != "token":
-        raise ValueError(f"unknown IS level {level!r}; expected 'token' or 'sequence'")
+        raise ValueError(f"unknown IS level {level!r}; expected 'token', 'sequence' or 'geometric'")
     log_cap = math.log(cap)
     weights = torch.exp(log_ratio.clamp(max=log_cap))  # (N, T), == min(w, cap)
     if mode == "mask":

@@ -147,6 +147,17 @@ def test_is_weights_sequence_level():
     assert_close(w, t([[0.0, 0.0, 0.0], [E(0.1), E(0.1), 0.0]], torch.float32))
 
 
+def test_is_weights_geometric_level():
+    # row 0: mean (1 - 0.5 + 0.3) / 3 = 0.2667, e^0.2667 = 1.3056; row 1: (0.2 - 0.1) / 2 = 0.05 (padding
+    # ignored in the sum and the count), e^0.05 = 1.0513
+    w = truncated_is_weights(OLD, SAMPLER, IS_MASK, "geometric", "truncate", cap=2.0)
+    assert_close(w, t([[E(0.8 / 3)] * 3, [E(0.05), E(0.05), 0.0]], torch.float32))
+    w = truncated_is_weights(OLD, SAMPLER, IS_MASK, "geometric", "mask", cap=1.1)  # 1.3056 > 1.1 > 1.0513
+    assert_close(w, t([[0.0] * 3, [E(0.05), E(0.05), 0.0]], torch.float32))
+    w = truncated_is_weights(OLD, SAMPLER, IS_MASK, "geometric", "truncate", cap=1.1)
+    assert_close(w, t([[1.1] * 3, [E(0.05), E(0.05), 0.0]], torch.float32))
+
+
 def test_is_weights_detached_and_overflow_safe():
     old = torch.full((1, 200), 5.0, requires_grad=True)  # sequence log-ratio 1000: e^1000 = inf
     w = truncated_is_weights(old, torch.zeros(1, 200), torch.ones(1, 200), "sequence", "truncate", cap=3.0)

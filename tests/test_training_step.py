@@ -335,6 +335,7 @@ IS_VARIANTS = {
     "token/mask": dict(tis_level="token", tis_mode="mask"),
     "sequence/truncate": dict(tis_level="sequence", tis_mode="truncate"),
     "sequence/mask": dict(tis_level="sequence", tis_mode="mask"),
+    "geometric/truncate": dict(tis_level="geometric", tis_mode="truncate"),
 }
 
 
