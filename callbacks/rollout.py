@@ -294,7 +294,6 @@ class RolloutCallback(L.Callback):
             completions=[t for g in groups for t in g["texts"]],
             answers=[g["answer"] for g in groups for _ in range(G)],
             timings=timings, num_groups_dropped=num_dropped,
-            task_rewards=torch.cat([g["task_rewards"] for g in groups]) if self.overlong_buffer > 0 else None,
         )
 
     def _log_table(self, trainer, rollout: Rollout, step: int) -> None:

@@ -379,15 +379,13 @@ class QeRLModule(ResumeMixin, EvaluationMixin, L.LightningModule):
         pre_mean = lambda key: pre[key] / pre["weight"] if pre["weight"] else float("nan")  # noqa: E731
         rewards = rollout.rewards.float()
         group_std = rewards.view(-1, G).std(-1) if G > 1 else torch.zeros(rewards.numel())
-        # no learning signal from the task: DAPO's overlong shaping can tell a flat group's samples apart
-        task_std = rollout.unshaped_rewards().float().view(-1, G).std(-1) if G > 1 else group_std
         lengths = rollout.sampled_lengths().float()  # every generated completion (also DAPO's dropped groups)
         metrics = {
             "train/reward": rewards.mean(),
             # every sampled group's (DAPO's dynamic sampling trains on the mixed ones only)
             "train/reward_sampled": rollout.mean_sampled_reward(),
             "train/reward_std": group_std.mean(),
-            "train/frac_reward_zero_std": (task_std < 1e-6).float().mean(),
+            "train/frac_reward_zero_std": (group_std < 1e-6).float().mean(),
             "train/entropy": pre_mean("entropy"),
             "train/kl": update_mean("kl"),
             "train/loss": sum(losses) / applied if applied else float("nan"),

@@ -149,17 +149,10 @@ class Rollout:
     # None: these rows are all that was generated
     all_lengths: torch.Tensor | None = None
     all_truncated: torch.Tensor | None = None
-    # (N,) these rows' task reward, before DAPO's overlong shaping (which is in ``rewards``): length
-    # shaping alone is no learning signal from the task; None: ``rewards`` are the task rewards
-    task_rewards: torch.Tensor | None = None
 
     def mean_sampled_reward(self) -> float:
         """``sampled_reward``, or the mean of ``rewards`` when nothing was filtered out."""
         return float(self.rewards.float().mean()) if self.sampled_reward is None else self.sampled_reward
-
-    def unshaped_rewards(self) -> torch.Tensor:
-        """The task rewards of these rows (``task_rewards``, or ``rewards`` when nothing was shaped)."""
-        return self.rewards if self.task_rewards is None else self.task_rewards
 
     def sampled_lengths(self) -> torch.Tensor:
         """Every generated completion's length in tokens (``all_lengths``, or these rows')."""
@@ -173,6 +166,4 @@ class Rollout:
         for name in ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask", "sampler_logprobs", "rewards", "truncated"):
             setattr(self, name, getattr(self, name).to(device))
         self.reward_components = {k: v.to(device) for k, v in self.reward_components.items()}
-        if self.task_rewards is not None:
-            self.task_rewards = self.task_rewards.to(device)
         return self
