@@ -71,6 +71,63 @@ def test_dynamic_sampling_drops_flat_groups_and_refills():
     assert aqn.monitor.rewards == [rollout.sampled_reward]
 
 
+def test_sampler_and_trainer_agree_at_a_temperature_below_one():
+    """End to end at T = 0.7: the embedded engine samples from softmax(logits / T), the Rollout carries
+    T, and the trainer's log-probs of the same tokens (log softmax(logits / T)) equal the sampler's."""
+    module = _module()
+    tok = module.tokenizer
+    cb = RolloutCallback(reward=CharIsA(), group_size=3, sampling=SamplingSettings(temperature=0.7, max_new_tokens=6))
+    cb.engine = cb.make_engine(module)
+    prompts = [tok("x y")["input_ids"], tok("z")["input_ids"]]
+    batch = {"prompt_ids": prompts, "prompts": ["x y", "z"], "answers": ["-", "-"]}
+    cb.on_train_batch_start(_trainer([cb]), module, batch, 0)
+    r = batch["rollout"]
+    assert r.temperature == 0.7
+    with torch.no_grad():
+        trainer_lp, _ = module.completion_logprobs(torch.cat([r.prompt_ids, r.completion_ids], 1),
+                                                   torch.cat([r.prompt_mask, r.completion_mask], 1),
+                                                   r.completion_ids, temperature=r.temperature)
+    valid = r.completion_mask.bool()
+    torch.testing.assert_close(trainer_lp[valid], r.sampler_logprobs[valid], rtol=0, atol=1e-4)
+    at_one, _ = module.completion_logprobs(torch.cat([r.prompt_ids, r.completion_ids], 1),
+                                           torch.cat([r.prompt_mask, r.completion_mask], 1), r.completion_ids,
+                                           temperature=1.0)
+    assert (at_one[valid] - r.sampler_logprobs[valid]).abs().max() > 1e-2  # (T matters on this model)
+
+
+def test_dynamic_sampling_with_no_signal_anywhere_trains_the_original_batch():
+    """Early in training every group can be flat: then the batch trains as drawn (advantages 0), with
+    nothing counted as dropped, rather than an empty rollout."""
+    module = _module()
+    tok = module.tokenizer
+    enc = lambda s: tok(s)["input_ids"]  # noqa: E731
+    script = {tuple(enc("x")): [enc("b"), enc("b")], tuple(enc("y")): [enc("a"), enc("a")]}
+    cb = RolloutCallback(reward=CharIsA(), group_size=2, sampling=SamplingSettings(max_new_tokens=4),
+                         dynamic_sampling=True, max_refill_rounds=0)
+    cb.engine = ScriptedEngine(script)
+    batch = {"prompt_ids": [enc("x"), enc("y")], "prompts": ["x", "y"], "answers": ["-", "-"]}
+    cb.on_train_batch_start(_trainer([cb]), module, batch, 0)
+    assert batch["rollout"].prompts == ["x", "x", "y", "y"] and batch["rollout"].num_groups_dropped == 0
+    assert batch["rollout"].rewards.tolist() == [0.0, 0.0, 1.0, 1.0]
+
+
+def test_refill_rounds_draw_fresh_prompts_per_step_and_round():
+    module = _module()
+    tok = module.tokenizer
+    enc = lambda s: tok(s)["input_ids"]  # noqa: E731
+    script = {tuple(enc("x")): [enc("b"), enc("b")], tuple(enc("z")): [enc("b"), enc("b")]}
+    cb = RolloutCallback(reward=CharIsA(), group_size=2, sampling=SamplingSettings(max_new_tokens=4),
+                         dynamic_sampling=True, max_refill_rounds=2)
+    cb.engine = ScriptedEngine(script)
+    seeds = []
+    extra = {"prompt_ids": [enc("z")], "prompts": ["z"], "answers": ["-"]}
+    for step in (0, 1):
+        trainer = _trainer([cb], extra, step=step)
+        trainer.datamodule.draw_extra = lambda n, seed: seeds.append(seed) or extra
+        cb.on_train_batch_start(trainer, module, {"prompt_ids": [enc("x")], "prompts": ["x"], "answers": ["-"]}, 0)
+    assert len(seeds) == 4 and len(set(seeds)) == 4  # two rounds at each of two steps, each its own draw
+
+
 def test_dynamic_sampling_counts_a_refills_surplus_as_dropped():
     """A refill draws a whole batch of prompts: mixed groups beyond the batch are generated but not
     trained on, and ``train/groups_dropped`` says so."""
