@@ -64,6 +64,13 @@ def test_quickstart_cli_logs_every_scalar_and_trains_only_lora(tmp_path, monkeyp
         assert all(math.isfinite(v) for v in values[name]), (name, values[name])
     assert len(values["train/reward"]) == 3
     assert "completions/text_summary" in acc.Tags()["tensors"]  # the completions table
+    # the quickstart's exponential schedule: stage 0 noise-free, then sigma_start, decaying
+    assert values["aqn/sigma"][0] == 0.0 and values["aqn/sigma"][1] == pytest.approx(1e-2)
+    assert values["aqn/sigma"][2] < values["aqn/sigma"][1]
+    # the AQN state monitor saw every step's entropy and reward (the closed-loop controllers' input)
+    aqn = next(cb for cb in cli.trainer.callbacks if type(cb).__name__ == "AQNCallback")
+    assert aqn.monitor.entropies == pytest.approx(values["train/entropy"], rel=1e-6)
+    assert len(aqn.monitor.rewards) == 3
 
     changed_lora = 0
     for n, p in cli.model.model.named_parameters():

@@ -280,6 +280,10 @@ def test_policy_loss_is_weights_and_kl():
     loss, m = policy_loss(lp, None, t([0.0]), mask, aggregation="bnpo", ref_logprobs=ref, kl_coef=0.1)
     assert_close(loss, t(0.1 * kl_mean))
     assert_close(m["kl"], t(kl_mean, torch.float32))
+    # the IS weights scale the surrogate only, not the KL term
+    loss, _ = policy_loss(lp, None, t([0.0]), mask, aggregation="bnpo", ref_logprobs=ref, kl_coef=0.1,
+                          is_weights=t([[2.0, 0.5]]))
+    assert_close(loss, t(0.1 * kl_mean))
     # kl_coef 0: not in the loss, still logged
     loss, m = policy_loss(lp, None, t([0.0]), mask, aggregation="bnpo", ref_logprobs=ref)
     assert_close(loss, t(0.0))

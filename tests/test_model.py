@@ -132,7 +132,10 @@ def test_nf4_parameter_count_is_logical(lora):
     pytest.importorskip("bitsandbytes")
     nf4, _ = load_policy("tiny-qwen2", "nf4", lora, dtype="bf16")
     bf16, _ = load_policy("tiny-qwen2", "bf16", lora, dtype="bf16")
-    assert any(type(p).__name__ == "Params4bit" for p in nf4.parameters())
+    packed = [p for p in nf4.parameters() if type(p).__name__ == "Params4bit"]
+    assert len(packed) == 7 * nf4.config.num_hidden_layers  # every decoder linear, nothing else
+    # QLoRA's format: NF4 codes, and double quantization (the absmax scales quantized again)
+    assert all(p.quant_state.quant_type == "nf4" and p.quant_state.nested for p in packed)
     assert count_parameters(nf4)["total"] == count_parameters(bf16)["total"]
     if lora is not None:
         assert count_parameters(nf4) == count_parameters(bf16)

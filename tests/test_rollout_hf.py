@@ -47,7 +47,8 @@ def test_static_decoder_equals_dynamic_and_the_trainer(attn):
     model, tok = _policy(attn)
     engine = HFEngine(stop_token_ids=[tok.eos_token_id], pad_token_id=tok.pad_token_id, max_batch_size=8)
     for sampling in (SamplingSettings(temperature=0.0, max_new_tokens=12),
-                     SamplingSettings(temperature=1.0, max_new_tokens=12)):
+                     SamplingSettings(temperature=1.0, max_new_tokens=12),
+                     SamplingSettings(temperature=0.7, max_new_tokens=12)):
         dyn = _generate(engine, model, sampling, 3, static=False)
         sta = _generate(engine, model, sampling, 3, static=True)
         assert sta.completion_ids == dyn.completion_ids and sta.finish_reasons == dyn.finish_reasons

@@ -316,6 +316,52 @@ def test_logged_entropy_and_is_ratio_cover_every_sampled_token(policy, mismatche
         assert math.isfinite(masked.logged[key]) and abs(masked.logged[key] - plain.logged[key]) <= 1e-6, key
 
 
+def test_logged_scalars_equal_their_definitions(policy, mismatched, tmp_path):
+    """The values, not only the presence, of the rollout-level curves, recomputed from the hand-made
+    rollout: the sampler's log-probs are the trainer's + OFFSET, so the importance ratio is exp(-OFFSET)."""
+    logged = fit(policy, mismatched, tmp_path / "run").logged
+    valid = mismatched.completion_mask.bool()
+    groups = REWARDS.view(-1, G)
+    expected = {
+        "train/reward": REWARDS.mean(),
+        "train/reward_std": groups.std(-1).mean(),       # the mean within-group std, not the batch's
+        "train/frac_reward_zero_std": 0.0,
+        "train/completion_length/mean": LENGTHS.float().mean(),
+        "train/completion_length/max": LENGTHS.max(),
+        "train/clipped_ratio": (LENGTHS == T).float().mean(),
+        "train/is_ratio/mean": torch.exp(-OFFSET)[valid].mean(),  # trainer / sampler, over every sampled token
+    }
+    for key, value in expected.items():
+        assert logged[key] == pytest.approx(float(value), rel=1e-4, abs=1e-6), key
+
+
+def test_is_weights_use_the_rollout_time_log_probs_in_every_update(policy, mismatched, tmp_path, monkeypatch):
+    """TIS corrects pi_old / pi_sampler: the trainer's log-probs at rollout time, the same in every one of
+    the K updates (not the live policy's, which moves after the first optimizer step)."""
+    import lightning_modules.qerl_module as qerl_module
+
+    seen = []
+
+    def spy(old, *args, **kwargs):
+        seen.append(old.detach().clone())
+        return weights(old, *args, **kwargs)
+
+    weights = qerl_module.truncated_is_weights
+    monkeypatch.setattr(qerl_module, "truncated_is_weights", spy)
+    fit(policy, mismatched, tmp_path / "run", updates_per_rollout=2, micro_batch_size=8)
+    assert len(seen) == 2 and torch.equal(seen[0], seen[1])
+
+
+def test_dr_grpo_divides_by_max_new_tokens_not_the_longest_completion(policy, mismatched, tmp_path):
+    """Dr.GRPO's constant normaliser is N * max_new_tokens: the same completions under a limit twice
+    as long give half the loss (whatever the padded width of the batch)."""
+    longer = copy.deepcopy(mismatched)
+    longer.max_new_tokens = 2 * T
+    base = fit(policy, mismatched, tmp_path / "t", aggregation="dr_grpo", tis_cap=None).logged["train/loss"]
+    half = fit(policy, longer, tmp_path / "2t", aggregation="dr_grpo", tis_cap=None).logged["train/loss"]
+    assert base != 0 and half == pytest.approx(base / 2, rel=1e-5)
+
+
 # ------------------------------------------------------------------------------------------------
 # importance sampling against the sampler's log-probs
 
