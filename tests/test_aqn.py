@@ -279,6 +279,21 @@ def test_only_named_norms_get_noise_and_state_dict_is_untouched():
         attach_noisy_norms(torch.nn.Sequential(torch.nn.LayerNorm(8)), ["0"])
 
 
+@torch.no_grad()
+def test_noise_is_added_to_the_scale_not_multiplied():
+    """w + Z (the paper's Eq.), checked on a norm whose weights are not 1 (where w * (1 + Z) would agree)."""
+    model = build_tiny_model("qwen2")
+    norm = model.model.layers[0].input_layernorm
+    norm.weight.copy_(torch.linspace(0.5, 2.0, norm.weight.numel()))
+    norms = attach_noisy_norms(model)
+    norms.set_noise(0.1, seed=0, step=1)
+    x = torch.randn(2, 5, norm.weight.numel(), generator=torch.Generator().manual_seed(1))
+    h = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + norm.variance_epsilon)
+    torch.testing.assert_close(norm(x), h * (norm.weight + norm.aqn_noise), rtol=1e-6, atol=1e-6)
+    assert norm.aqn_noise.abs().max() > 0.05
+    torch.testing.assert_close(norms.effective_scales()[NOISY[0]], norm.weight + norm.aqn_noise)
+
+
 def test_deepcopy_and_remove():
     model = build_tiny_model("qwen2")
     norms = attach_noisy_norms(model)

@@ -149,6 +149,23 @@ def test_gpu_forward_and_grad_input(M, N, K):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not CUDA, reason="needs CUDA")
+def test_gpu_nvfp4_linear_dispatches_to_the_kernels(monkeypatch):
+    """On CUDA, ``F.linear`` on an NVFP4 weight (what every quantized decoder linear runs) calls these
+    kernels forward and backward, not the dequantize + matmul reference."""
+    from qerl.nvfp4 import NVFP4WeightTensor, load_kernels
+
+    found, calls = load_kernels(), []
+    for name in ("nvfp4_linear_forward", "nvfp4_linear_grad_input"):
+        real = getattr(found, name)
+        monkeypatch.setattr(found, name, lambda *a, _real=real, _name=name, **kw: calls.append(_name) or _real(*a, **kw))
+    w = NVFP4WeightTensor.from_float(torch.randn(320, 256, device="cuda", dtype=torch.bfloat16))
+    x = torch.randn(3, 5, 256, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    torch.nn.functional.linear(x, w).sum().backward()
+    assert calls == ["nvfp4_linear_forward", "nvfp4_linear_grad_input"] and x.grad.shape == x.shape
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs CUDA")
 def test_gpu_fp16_and_batched_input():
     _check_linear(5, 320, 208, dtype=torch.float16)
     _check_linear(70, 256, 128, dtype=torch.float16)

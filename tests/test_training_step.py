@@ -335,6 +335,16 @@ def test_logged_scalars_equal_their_definitions(policy, mismatched, tmp_path):
         assert logged[key] == pytest.approx(float(value), rel=1e-4, abs=1e-6), key
 
 
+def test_advantage_scale_reaches_the_update(policy, mismatched, tmp_path):
+    """group / batch / none scale the same centred rewards differently: three different updates
+    (the groups' stds differ, so no two agree after clipping is off)."""
+    kw = dict(max_grad_norm=1e9, tis_cap=None)
+    runs = {scale: fit(policy, mismatched, tmp_path / scale, advantage_scale=scale, **kw)
+            for scale in ("group", "batch", "none")}
+    for a, b in (("group", "batch"), ("group", "none"), ("batch", "none")):
+        assert_different_update(runs[a], runs[b], f"{a} vs {b}")
+
+
 def test_is_weights_use_the_rollout_time_log_probs_in_every_update(policy, mismatched, tmp_path, monkeypatch):
     """TIS corrects pi_old / pi_sampler: the trainer's log-probs at rollout time, the same in every one of
     the K updates (not the live policy's, which moves after the first optimizer step)."""
