@@ -218,7 +218,7 @@ class RolloutCallback(L.Callback):
         if self.dynamic_sampling:
             if not kept:  # no task signal anywhere: train on the original batch (advantages 0, or only
                 # the overlong penalty's length signal when shaping is on)
-                kept, dropped = dropped[:target_groups], []
+                kept, dropped = dropped[:target_groups], dropped[target_groups:]
             kept, dropped = kept[:target_groups], dropped + kept[target_groups:]  # a refill's surplus too
             # DDP: every rank must train on as many groups (the same number of micro-batches, i.e.
             # of gradient all-reduces, else the ranks hang); a rank that kept more drops its surplus.

@@ -271,9 +271,9 @@ def _choose(op, a, qdata, scale, pts, out) -> Config:
     if os.environ.get("QERL_KERNELS_VERBOSE", "0") == "1":
         print(f"[kernels] tune {op} M={M} N={N} K={K}: "
               + "; ".join(f"{c.short()} {ms * 1e3:.1f}us" for ms, c in res), flush=True)
-    if not res:  # every candidate failed (out of memory mid-training, say): the default, not cached
-        return cands[0]
-    _TUNED[key] = res[0][1]
+    # every candidate failed (out of memory mid-training, say): the default, cached like a winner so
+    # the failing tune is not repeated at every call of this shape
+    _TUNED[key] = res[0][1] if res else cands[0]
     return _TUNED[key]
 
 

@@ -144,7 +144,7 @@ class ResumeMixin:
         """``model.adapter_path`` against the base it records (``qerl_base.json``; none: not written by
         qerl, nothing to check): another tiny model or seed is an error, as on resume; another model
         name, dtype or quantization a warning (the adapter then runs on weights it did not train on)."""
-        from qerl.adapter import read_base
+        from qerl.adapter import read_base, same_model
 
         what = f"model.adapter_path {self.adapter_path}"
         base = read_base(self.adapter_path)
@@ -153,7 +153,8 @@ class ResumeMixin:
         self._check_same_base(base, what)
         here = self.base_record()
         differing = [f"{key} {base[key]} (this run: {here[key]})" for key in ("model", "dtype", "quantization")
-                     if base.get(key) is not None and str(base[key]) != str(here[key])]
+                     if base.get(key) is not None and str(base[key]) != str(here[key])
+                     and not (key == "model" and same_model(str(base[key]), str(here[key])))]
         if differing:
             rank_zero_warn(f"{what} was trained on another base ({', '.join(differing)}): its outputs here differ "
                            "from the trained model's")

@@ -137,7 +137,7 @@ class QeRLModule(ResumeMixin, EvaluationMixin, L.LightningModule):
             )
         self._tokenizer = self._tokenizer or tokenizer
         self.model.train()  # loaders return eval mode; LoRA dropout must be live in training
-        if self.lora_settings.dropout > 0:
+        if self.lora_settings.dropout > 0 and (self._trainer is None or self.trainer.state.fn == "fit"):
             rank_zero_warn(f"lora.dropout = {self.lora_settings.dropout}: each training forward draws its own "
                            "dropout mask, so the old/new ratio is not 1 at the first update and the sampler "
                            "(no dropout) differs from the trainer; RL recipes use 0")

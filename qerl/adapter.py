@@ -87,6 +87,18 @@ def read_base(adapter_dir: str | Path) -> dict | None:
     return base if isinstance(base, dict) else None
 
 
+def same_model(a: str, b: str) -> bool:
+    """Whether two model names are the same string or the same path. A .gguf file also matches its
+    folder: peft records that folder as the base of a model loaded from the file."""
+    if a == b:
+        return True
+    pa, pb = (Path(x).expanduser().resolve() for x in (a, b))
+    if not (pa.exists() and pb.exists()):
+        return False
+    folder = [p.parent if p.suffix == ".gguf" and p.is_file() else p for p in (pa, pb)]
+    return pa == pb or ((pa.is_dir() or pb.is_dir()) and folder[0] == folder[1])
+
+
 def checkpoint_base(ckpt: dict) -> dict:
     """The base a training checkpoint's run built ({"model", "dtype", "seed", "quantization"}): its
     ``qerl_base`` record, or for older files what its hyper-parameters and data module say."""

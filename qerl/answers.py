@@ -10,9 +10,11 @@ import re
 
 # Optional whitespace is legal LaTeX (`\boxed {5}`); `\fbox` is what some models emit instead.
 _BOX_RE = re.compile(r"\\(?:boxed|fbox)\s*\{")
-# GSM8K's answer marker: `#### 18`, `#### $1,234`, `#### -0.5`, `#### \frac{1}{2}`; a markdown heading
-# (`#### Step 2: Money`) is not one.
-_HASH_ANSWER_RE = re.compile(r"####[ \t]*((?:\\?\$[ \t]*)?[-+]?[ \t]*(?:\\?\$[ \t]*)?(?:\.?\d|\\[dt]?frac)[^\n]*)")
+# GSM8K's answer marker: `#### 18`, `#### $1,234`, `#### -0.5`, `#### \frac{1}{2}`, also `#### **18**`,
+# `#### Answer: 18`, `#### x = 18`; a markdown heading (`#### Step 2: Money`, `#### 1. Setup`) is not one.
+_HASH_ANSWER_RE = re.compile(
+    r"####[ \t]*(?:\*\*|__)?[ \t]*(?:(?:final[ \t]+)?answer[ \t]*(?:is)?[ \t]*:?[ \t]*)?(?:[a-z][ \t]*=[ \t]*)?"
+    r"((?:\\?\$[ \t]*)?[-+]?[ \t]*(?:\\?\$[ \t]*)?(?:\.?\d|\\[dt]?frac)(?!\d*\.[ \t]+[a-z])[^\n]*)", re.IGNORECASE)
 _ANSWER_IS_RE = re.compile(r"answer\s*(?:is|:)\s*:?\s*([^\n]*)", re.IGNORECASE)
 _PLAIN_NUMBER_RE = re.compile(r"-?\d{1,3}(?:,\d{3})+(?:\.\d+)?")
 _NUMBER_RE = re.compile(r"-?\d[\d,]*(?:\.\d+)?|-?\.\d+")
@@ -85,7 +87,7 @@ def hash_answer(text: str) -> str | None:
     if not isinstance(text, str) or "####" not in text:
         return None
     hits = _HASH_ANSWER_RE.findall(text)
-    return hits[-1].strip() if hits else None
+    return hits[-1].strip().rstrip("*_").strip() if hits else None
 
 
 def extract_gsm8k_gold(answer_field: str) -> str:

@@ -39,6 +39,7 @@ from transformers import PreTrainedTokenizerBase
 from qerl.adapter import (  # noqa: F401  (the adapter half of the export, re-exported here)
     BASE_FILE, TRAINABLE_NORMS_FILE, _hf_model, _is_adapter, _is_peft, _load_checkpoint, adapter_from_checkpoint,
     _write_base, checkpoint_base, export_adapter, hf_name, load_adapter, load_adapter_into, read_base,
+    same_model,
 )
 from qerl.model import SHARED_SCALE_GROUPS, _parse_dtype, load_policy
 from qerl.nvfp4 import BLOCK_SIZE, NVFP4WeightTensor
@@ -264,6 +265,8 @@ def _check_paths(parser: argparse.ArgumentParser, args: argparse.Namespace) -> N
         parser.error(f"--device {args.device}, but this machine has no CUDA device (torch {torch.__version__})")
     if args.from_trained_base and (args.format != "bf16" or not args.adapter):
         parser.error("--from-trained-base goes with --format bf16 and an --adapter")
+    if args.from_trained_base and args.from_nvfp4:
+        parser.error("--from-nvfp4 or --from-trained-base: one base, not both")
 
 
 # What an export writes, all of which --overwrite replaces: the checkpoint, its config and tokenizer,
@@ -314,25 +317,13 @@ def _checkpoint_adapter(parser: argparse.ArgumentParser, ckpt: str, out: str | P
         parser.error(f"cannot read the adapter of --adapter {ckpt}: {err}")
 
 
-def _same_model(a: str, b: str) -> bool:
-    """Whether two model names are the same string or the same path. A .gguf file also matches its
-    folder: peft records that folder as the base of a model loaded from the file."""
-    if a == b:
-        return True
-    pa, pb = (Path(x).expanduser().resolve() for x in (a, b))
-    if not (pa.exists() and pb.exists()):
-        return False
-    folder = [p.parent if p.suffix == ".gguf" and p.is_file() else p for p in (pa, pb)]
-    return pa == pb or ((pa.is_dir() or pb.is_dir()) and folder[0] == folder[1])
-
-
 def _check_trained_base(parser: argparse.ArgumentParser, args: argparse.Namespace, trained_on: str | None,
                         strict: bool) -> None:
     """--model against the base the adapter records having been trained on. With ``strict`` (a training
     checkpoint's ``model``), two different tiny models are an error: the same shapes, other weights.
     Any other difference is a warning, as it may be the same model by another name (a local copy of
     a hub id); an adapter that does not fit --model's linears is refused when it loads."""
-    if not trained_on or _same_model(trained_on, args.model):
+    if not trained_on or same_model(trained_on, args.model):
         return
     if strict and trained_on in TINY_MODEL_NAMES and args.model in TINY_MODEL_NAMES:
         parser.error(f"--model {args.model}, but --adapter {args.adapter} was trained on {trained_on}")
@@ -350,13 +341,16 @@ def _base_quantization(args: argparse.Namespace, trained: str | None) -> str:
                         "trained on (--format bf16 --from-trained-base exports that base)", trained)
         return "nvfp4"
     if args.from_nvfp4:
+        if args.adapter and trained not in (None, "nvfp4"):
+            log.warning("--from-nvfp4: the adapter was trained on the %s base, and runs here on NVFP4 weights "
+                        "(--from-trained-base exports the base it trained on)", trained)
         return "nvfp4"
     if args.from_trained_base:
         return trained or "nvfp4"  # not recorded: the default arm's
     if args.adapter and trained != "bf16":
-        log.warning("--format bf16 --adapter: the adapter was trained on the %s base; --from-trained-base exports "
-                    "that base (dequantized) instead of the original 16-bit weights",
-                    (trained or "NVFP4 (not recorded: the default)").upper())
+        what = f"the {trained.upper()} base" if trained else "a base it does not record (NVFP4, the default arm?)"
+        log.warning("--format bf16 --adapter: the adapter was trained on %s; --from-trained-base exports that base "
+                    "(dequantized) instead of the original 16-bit weights", what)
     return "bf16"
 
 
@@ -446,8 +440,9 @@ def main(argv: list[str] | None = None) -> Path:
     def write(tmp: Path) -> None:
         export(model, tokenizer, tmp, dtype=args.dtype)
         if args.adapter and (tmp / ADAPTER_SUBDIR).is_dir():  # the base it runs on, for a later export
+            # the base the adapter trained on (an export onto another base does not change that)
             _write_base(tmp / ADAPTER_SUBDIR, {"model": args.model, "dtype": base_dtype, "seed": seed,
-                                               "quantization": quantization})
+                                               "quantization": trained_quantization})
     out = _replace_export(Path(args.out), write)
     print(out)
     return out

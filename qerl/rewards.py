@@ -304,12 +304,12 @@ _NOT_UNITS = frozenset(
 
 
 # Boxes that math-verify 0.9 leaves as strings although their `$content$` is the number.
-_LOOSE_BOX_RE = re.compile(r"%|\\(?:text|textrm|textbf|mbox|mathrm)\b")
+_LOOSE_BOX_RE = re.compile(r"%|\\(?:text|textrm|textbf|textnormal|mbox|hbox|mathrm|operatorname|unit)(?![a-z])")
 # A gold with several values: a comma outside brackets (`1, -2`; not `(1,2)` or `[0, 1)`) or `\pm`.
-_PM_RE = re.compile(r"\\(?:pm|mp)\b")
+_PM_RE = re.compile(r"\\(?:pm|mp)(?![A-Za-z])")
 
 
-_THOUSANDS_COMMA_RE = re.compile(r"(?<=\d),(?:\\!)?\s?(?=\d{3}(?!\d))")
+_THOUSANDS_COMMA_RE = re.compile(r"(?<=\d),(?:\\!\s?)?(?=\d{3}(?!\d))")  # (`2, 100` is two values)
 
 
 def _is_multi_valued(gold: str) -> bool:
@@ -347,10 +347,11 @@ def _parse_pred(text: str, boxed: str | None = None) -> list:
     ``text`` re-boxes, or None when the completion has no box.
 
     math-verify 0.9 leaves some boxed contents as bare strings (``\\boxed{5\\%}`` → ``'5\\%'``)
-    although the same content parses inside ``$...$`` (→ 5); so when such a box (a percent sign
-    or ``\\text{}``) gave no SymPy object, the ``$content$`` parses are added as further
-    candidates (verify takes any match). Only then: ``$5+$`` or ``$5 \\le$`` also parse to 5, and
-    an unfinished box is not the number.
+    although the same content parses inside ``$...$`` (→ 5); so when such a box (a percent sign,
+    ``\\text{}``-like units) gave no SymPy object, the ``$content$`` parses are added as further
+    candidates (verify takes any match), and a box ending in sentence punctuation (``18.``, ``18,``)
+    is parsed again without it. Only these: ``$5+$`` or ``$5 \\le$`` also parse to 5, and an
+    unfinished box is not the number.
     A number in ``\\text{}`` with units (``\\text{18 dollars}``, a symbol ``18dollars`` to
     math-verify) adds ``$18$`` likewise. Without a box, the line after the last ``####`` is parsed
     first, since a GSM8K-style solution's ``$<<4+2=6.00>>6.00`` spans would otherwise outrank it.
@@ -363,8 +364,12 @@ def _parse_pred(text: str, boxed: str | None = None) -> list:
                 return parsed
         return math_verify.parse(text, parsing_timeout=None)
     parsed = math_verify.parse(text, parsing_timeout=None)
-    if _LOOSE_BOX_RE.search(boxed) and not any(isinstance(p, (Basic, MatrixBase)) for p in parsed):
-        parsed = parsed + math_verify.parse(f"${boxed}$", parsing_timeout=None)
+    if not any(isinstance(p, (Basic, MatrixBase)) for p in parsed):
+        if _LOOSE_BOX_RE.search(boxed):
+            parsed = parsed + math_verify.parse(f"${boxed}$", parsing_timeout=None)
+        bare = boxed.rstrip(" .,;:~")  # sentence punctuation inside the box: `\boxed{18.}`
+        if bare and bare != boxed:
+            parsed = parsed + math_verify.parse("\\boxed{" + bare + "}", parsing_timeout=None)
     number = _text_number(boxed)
     if number is not None:
         parsed = parsed + math_verify.parse(f"${number}$", parsing_timeout=None)

@@ -422,6 +422,12 @@ def test_cli_exports_the_base_each_arm_trained_on(tmp_path, caplog, quantization
     original_warned = f"trained on the {quantization.upper()} base; --from-trained-base" in caplog.text
     nvfp4_warned = f"trained on the {quantization} base: in an NVFP4 export" in caplog.text
     assert original_warned == (quantization != "bf16") and nvfp4_warned == (quantization != "nvfp4")
+    # an export onto another base still records the base the adapter trained on
+    for other in ("orig", "nvfp4"):
+        assert json.loads((tmp_path / other / ADAPTER_SUBDIR / BASE_FILE).read_text())["quantization"] == quantization
+    with pytest.raises(SystemExit):
+        main(["--model", "tiny-qwen2", "--format", "bf16", "--from-nvfp4", "--from-trained-base",
+              "--adapter", str(tmp_path / "adapter"), "--out", str(tmp_path / "both")])
 
 
 def test_cli_refuses_to_clobber(tmp_path, capsys):
@@ -654,3 +660,15 @@ def test_adapter_trained_on_another_base_warns_or_is_refused(tmp_path, capsys, c
             where = f"--adapter {re.escape(str(source))} onto --model {re.escape(str(other))}"
             assert re.search(rf"error: cannot load {where}: the adapter has LoRA for {problem}: it was trained on "
                              "another base model$", last), last
+
+
+def test_same_model_reads_paths_not_strings(tmp_path, monkeypatch):
+    """A run's recorded base and this run's model name may be the same folder written two ways."""
+    from qerl.adapter import same_model
+
+    (tmp_path / "models" / "m").mkdir(parents=True)
+    (tmp_path / "models" / "m" / "model.gguf").write_bytes(b"")
+    monkeypatch.chdir(tmp_path)
+    assert same_model("models/m", str(tmp_path / "models" / "m"))
+    assert same_model("models/m/model.gguf", "models/m")  # peft records a .gguf's folder
+    assert not same_model("models/m", "models/other") and not same_model("tiny-qwen2", "tiny-llama")

@@ -265,6 +265,20 @@ MARKDOWN_HEADINGS = "#### Step 1: Eggs left\n16 - 7 = 9\n#### Step 2: Money\nShe
         (r"\boxed{5 \times}", "5", 0.0),
         (r"\boxed{5\%}", "5", 1.0),  # ... while a percent sign or \text{} box still is
         (r"\boxed{5 \text{ cm}}", "5", 1.0),
+        (r"\boxed{18 \hbox{ m}}", "18", 1.0),
+        (r"\boxed{5 \operatorname{cm}}", "5", 1.0),
+        (r"\boxed{18.}", "18", 1.0),  # sentence punctuation inside the box
+        (r"\boxed{-0.5,}", "-0.5", 1.0),
+        (r"\boxed{5+.}", "5", 0.0),
+        # `\pm` glued to its operand, and a list whose second value has three digits
+        (r"\boxed{1} and \boxed{-1}", r"\pm1", 1.0),
+        (r"\boxed{3+2\sqrt{2}}, \boxed{3-2\sqrt{2}}", r"3\pm2\sqrt{2}", 1.0),
+        (r"\boxed{2} and \boxed{100}", "2, 100", 1.0),
+        # the `####` line read through markdown and prefixes; numbered headings are not answers
+        ("She sells 9 eggs at $2 each.\n#### **18**\n(9 eggs x 2 dollars)", "18", 1.0),
+        ("#### Answer: 18\nsince 3 * 6", "18", 1.0),
+        ("#### x = 18\nin 2 steps", "18", 1.0),
+        ("#### 1. Setup\n#### 2. Result\nShe earns 18 dollars.", "18", 1.0),
     ],
 )
 def test_accuracy_headings_multi_boxes_unfinished_boxes(acc: MathAccuracy, completion: str, gold: str,

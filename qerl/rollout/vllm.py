@@ -102,7 +102,7 @@ class VLLMSettings:
 
     def __post_init__(self):
         for key in ("tensor_parallel_size", "pipeline_parallel_size"):
-            if int(self.llm_kwargs.get(key, 1)) != 1:  # the model lives in worker processes then
+            if int(self.llm_kwargs.get(key) or 1) != 1:  # the model lives in worker processes then
                 raise ValueError(f"vllm.llm_kwargs.{key} > 1: the colocated engine runs vLLM in the trainer's process "
                                  "(adapter and norm scales are written into its model in place); use one GPU per "
                                  "rank (DDP: each rank runs its own vLLM)")
