@@ -95,16 +95,21 @@ def test_sampler_and_trainer_agree_at_a_temperature_below_one():
     assert (at_one[valid] - r.sampler_logprobs[valid]).abs().max() > 1e-2  # (T matters on this model)
 
 
+def _scripted_dynamic_sampling(script_text: dict[str, list[str]], max_refill_rounds: int):
+    """A tiny module and a RolloutCallback with dynamic sampling over a ScriptedEngine whose prompt ->
+    completions script is given as text; returns (module, encode, callback)."""
+    module = _module()
+    enc = lambda s: module.tokenizer(s)["input_ids"]  # noqa: E731
+    cb = RolloutCallback(reward=CharIsA(), group_size=2, sampling=SamplingSettings(max_new_tokens=4),
+                         dynamic_sampling=True, max_refill_rounds=max_refill_rounds)
+    cb.engine = ScriptedEngine({tuple(enc(p)): [enc(c) for c in cs] for p, cs in script_text.items()})
+    return module, enc, cb
+
+
 def test_dynamic_sampling_with_no_signal_anywhere_trains_the_original_batch():
     """Early in training every group can be flat: then the batch trains as drawn (advantages 0), with
     nothing counted as dropped, rather than an empty rollout."""
-    module = _module()
-    tok = module.tokenizer
-    enc = lambda s: tok(s)["input_ids"]  # noqa: E731
-    script = {tuple(enc("x")): [enc("b"), enc("b")], tuple(enc("y")): [enc("a"), enc("a")]}
-    cb = RolloutCallback(reward=CharIsA(), group_size=2, sampling=SamplingSettings(max_new_tokens=4),
-                         dynamic_sampling=True, max_refill_rounds=0)
-    cb.engine = ScriptedEngine(script)
+    module, enc, cb = _scripted_dynamic_sampling({"x": ["b", "b"], "y": ["a", "a"]}, max_refill_rounds=0)
     batch = {"prompt_ids": [enc("x"), enc("y")], "prompts": ["x", "y"], "answers": ["-", "-"]}
     cb.on_train_batch_start(_trainer([cb]), module, batch, 0)
     assert batch["rollout"].prompts == ["x", "x", "y", "y"] and batch["rollout"].num_groups_dropped == 0
@@ -112,13 +117,7 @@ def test_dynamic_sampling_with_no_signal_anywhere_trains_the_original_batch():
 
 
 def test_refill_rounds_draw_fresh_prompts_per_step_and_round():
-    module = _module()
-    tok = module.tokenizer
-    enc = lambda s: tok(s)["input_ids"]  # noqa: E731
-    script = {tuple(enc("x")): [enc("b"), enc("b")], tuple(enc("z")): [enc("b"), enc("b")]}
-    cb = RolloutCallback(reward=CharIsA(), group_size=2, sampling=SamplingSettings(max_new_tokens=4),
-                         dynamic_sampling=True, max_refill_rounds=2)
-    cb.engine = ScriptedEngine(script)
+    module, enc, cb = _scripted_dynamic_sampling({"x": ["b", "b"], "z": ["b", "b"]}, max_refill_rounds=2)
     seeds = []
     extra = {"prompt_ids": [enc("z")], "prompts": ["z"], "answers": ["-"]}
     for step in (0, 1):
@@ -131,15 +130,9 @@ def test_refill_rounds_draw_fresh_prompts_per_step_and_round():
 def test_dynamic_sampling_counts_a_refills_surplus_as_dropped():
     """A refill draws a whole batch of prompts: mixed groups beyond the batch are generated but not
     trained on, and ``train/groups_dropped`` says so."""
-    module = _module()
-    tok = module.tokenizer
-    enc = lambda s: tok(s)["input_ids"]  # noqa: E731
+    module, enc, cb = _scripted_dynamic_sampling({"x": ["b", "b"], "y": ["a", "b"], "z": ["b", "a"], "w": ["a", "b"]},
+                                                 max_refill_rounds=1)
     p_flat, p_mixed, p_extra, p_extra2 = enc("x"), enc("y"), enc("z"), enc("w")
-    script = {tuple(p_flat): [enc("b"), enc("b")], tuple(p_mixed): [enc("a"), enc("b")],
-              tuple(p_extra): [enc("b"), enc("a")], tuple(p_extra2): [enc("a"), enc("b")]}
-    cb = RolloutCallback(reward=CharIsA(), group_size=2, sampling=SamplingSettings(max_new_tokens=4),
-                         dynamic_sampling=True, max_refill_rounds=1)
-    cb.engine = ScriptedEngine(script)
     extra = {"prompt_ids": [p_extra, p_extra2], "prompts": ["z", "w"], "answers": ["-", "-"]}
     batch = {"prompt_ids": [p_flat, p_mixed], "prompts": ["x", "y"], "answers": ["-", "-"]}
     cb.on_train_batch_start(_trainer([cb], extra), module, batch, 0)
