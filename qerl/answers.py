@@ -10,11 +10,16 @@ import re
 
 # Optional whitespace is legal LaTeX (`\boxed {5}`); `\fbox` is what some models emit instead.
 _BOX_RE = re.compile(r"\\(?:boxed|fbox)\s*\{")
-# GSM8K's answer marker: `#### 18`, `#### $1,234`, `#### -0.5`, `#### \frac{1}{2}`, also `#### **18**`,
-# `#### Answer: 18`, `#### x = 18`; a markdown heading (`#### Step 2: Money`, `#### 1. Setup`) is not one.
-_HASH_ANSWER_RE = re.compile(
-    r"####[ \t]*(?:\*\*|__)?[ \t]*(?:(?:final[ \t]+)?answer[ \t]*(?:is)?[ \t]*:?[ \t]*)?(?:[a-z][ \t]*=[ \t]*)?"
-    r"((?:\\?\$[ \t]*)?[-+]?[ \t]*(?:\\?\$[ \t]*)?(?:\.?\d|\\[dt]?frac)(?!\d*\.[ \t]+[a-z])[^\n]*)", re.IGNORECASE)
+# GSM8K's answer marker, one line after `####`: `18`, `$1,234`, `-0.5`, `\frac{1}{2}`, `18 dollars`, also
+# through emphasis (`**18**`) and an `Answer:` prefix; `x = 18` only when nothing follows the value.
+# A markdown heading (`Step 2: Money`, `1. Setup`, `3) Result`) or `n = 3 apples per box` is not one.
+_HASH_LINE_RE = re.compile(r"####([^\n]*)")
+_STARTS_LIKE_ANSWER_RE = re.compile(r"(?:\\?\$[ \t]*)?[-+]?[ \t]*(?:\\?\$[ \t]*)?(?:\.?\d|\\[dt]?frac)")
+_NUMBERED_HEADING_RE = re.compile(r"\d+[.):][ \t]*[a-z]", re.IGNORECASE)
+_ANSWER_PREFIX_RE = re.compile(r"(?:final[ \t]+)?answer[ \t]*(?:is)?[ \t]*:?", re.IGNORECASE)
+_VARIABLE_PREFIX_RE = re.compile(r"[a-z][ \t]*=", re.IGNORECASE)
+_LONE_VALUE_RE = re.compile(r"(?:\\?\$[ \t]*)?[-+]?[ \t]*(?:\\?\$[ \t]*)?(?:\d[\d,]*(?:\.\d+)?|\.\d+|\\[dt]?frac\{[^{}]*\}\{[^{}]*\})"
+                            r"[ \t]*(?:\\?%)?[ \t]*\.?")
 _ANSWER_IS_RE = re.compile(r"answer\s*(?:is|:)\s*:?\s*([^\n]*)", re.IGNORECASE)
 _PLAIN_NUMBER_RE = re.compile(r"-?\d{1,3}(?:,\d{3})+(?:\.\d+)?")
 _NUMBER_RE = re.compile(r"-?\d[\d,]*(?:\.\d+)?|-?\.\d+")
@@ -82,12 +87,25 @@ def boxed_answers(text: str) -> list[str]:
 
 
 def hash_answer(text: str) -> str | None:
-    """The line after the last ``####`` that starts like an answer (a number, ``$``, a fraction),
-    stripped; None when there is none. A markdown heading (``#### Step 2``) is not an answer."""
+    """The line after the last ``####`` that reads as an answer (it starts with a number, ``$`` or a
+    fraction, after emphasis and an ``Answer:`` prefix; ``x = 18`` when only the value follows),
+    stripped; None when there is none. A markdown heading (``#### Step 2``, ``#### 1. Setup``) is not."""
     if not isinstance(text, str) or "####" not in text:
         return None
-    hits = _HASH_ANSWER_RE.findall(text)
-    return hits[-1].strip().rstrip("*_").strip() if hits else None
+    unwrap = lambda s: s.strip().strip("*_").strip()  # noqa: E731  (markdown emphasis)
+    for line in reversed(_HASH_LINE_RE.findall(text)):  # the last answer line wins (self-corrections)
+        line = unwrap(line)
+        prefix = _ANSWER_PREFIX_RE.match(line)
+        if prefix:
+            line = unwrap(line[prefix.end():])
+        elif (variable := _VARIABLE_PREFIX_RE.match(line)) is not None:
+            value = unwrap(line[variable.end():])
+            if _LONE_VALUE_RE.fullmatch(value):
+                return value
+            continue
+        if _STARTS_LIKE_ANSWER_RE.match(line) and not _NUMBERED_HEADING_RE.match(line):
+            return line
+    return None
 
 
 def extract_gsm8k_gold(answer_field: str) -> str:

@@ -289,7 +289,7 @@ _DIGIT_SEP_RE = re.compile(r"(?<=\d)(?:\\[,!:; ]|~|\{,\})(?=\d{3}(?!\d))")
 # The same with a plain, no-break or thin space (`12 345`: math-verify reads it as 12*345 -- 1 000 as
 # 0); applied to the box and the gold, not to free text, where "3 100-page books" is two numbers.
 _SPACE_SEP_RE = re.compile("(?<=\\d)[ \u00a0\u2009\u202f](?=\\d{3}(?!\\d))")
-_TEXT_RE = re.compile(r"\\(?:text|textrm|textbf|mbox|mathrm)\s*\{([^{}]*)\}")
+_TEXT_RE = re.compile(r"\\(?:text|textrm|textbf|textnormal|mbox|hbox|mathrm)\s*\{([^{}]*)\}")
 # A whole `\text{}`-unwrapped box that is one number, optionally followed by unit words.
 _NUMBER_UNITS_RE = re.compile(r"\s*(\\?\$?\s*[-+]?(?:\d[\d,]*(?:\.\d+)?|\.\d+))(?:\s+([A-Za-z][A-Za-z\s.]*))?")
 # A box without LaTeX: one number, then words whose first has 3+ letters (`18 dollars`, `5 USD`;
@@ -306,6 +306,8 @@ _NOT_UNITS = frozenset(
 # Boxes that math-verify 0.9 leaves as strings although their `$content$` is the number.
 _LOOSE_BOX_RE = re.compile(r"%|\\(?:text|textrm|textbf|textnormal|mbox|hbox|mathrm|operatorname|unit)(?![a-z])")
 # A gold with several values: a comma outside brackets (`1, -2`; not `(1,2)` or `[0, 1)`) or `\pm`.
+# One closing `.`, `,` or `;` (not an ellipsis: `18, ...` is a sequence, `0.33...` is 1/3).
+_END_PUNCTUATION_RE = re.compile(r"(?<!\.)[ ]*[.,;]$")
 _PM_RE = re.compile(r"\\(?:pm|mp)(?![A-Za-z])")
 
 
@@ -359,7 +361,8 @@ def _parse_pred(text: str, boxed: str | None = None) -> list:
     if boxed is None:
         tail = hash_answer(text)
         if tail is not None:
-            parsed = math_verify.parse(tail, parsing_timeout=None)
+            parsed = (math_verify.parse(tail, parsing_timeout=None)  # (`-$5`: math-verify reads nothing)
+                      or math_verify.parse(tail.replace("\\$", "").replace("$", ""), parsing_timeout=None))
             if parsed:
                 return parsed
         return math_verify.parse(text, parsing_timeout=None)
@@ -367,7 +370,7 @@ def _parse_pred(text: str, boxed: str | None = None) -> list:
     if not any(isinstance(p, (Basic, MatrixBase)) for p in parsed):
         if _LOOSE_BOX_RE.search(boxed):
             parsed = parsed + math_verify.parse(f"${boxed}$", parsing_timeout=None)
-        bare = boxed.rstrip(" .,;:~")  # sentence punctuation inside the box: `\boxed{18.}`
+        bare = _END_PUNCTUATION_RE.sub("", boxed)  # one sentence mark inside the box: `\boxed{18.}`
         if bare and bare != boxed:
             parsed = parsed + math_verify.parse("\\boxed{" + bare + "}", parsing_timeout=None)
     number = _text_number(boxed)

@@ -279,6 +279,14 @@ MARKDOWN_HEADINGS = "#### Step 1: Eggs left\n16 - 7 = 9\n#### Step 2: Money\nShe
         ("#### Answer: 18\nsince 3 * 6", "18", 1.0),
         ("#### x = 18\nin 2 steps", "18", 1.0),
         ("#### 1. Setup\n#### 2. Result\nShe earns 18 dollars.", "18", 1.0),
+        ("#### 3) Result\nShe earns 18 dollars.", "18", 1.0),
+        ("#### **Answer:** 18\n(9 eggs x 2 dollars)", "18", 1.0),
+        ("#### -$5", "-5", 1.0),
+        ("#### n = 3 apples per box\nTotal: 3*6 = 18 apples", "18", 1.0),  # a definition, not the answer
+        ("#### s = 5 m/s, t = 4 s\nd = 20 m", "20", 1.0),
+        (r"\boxed{18, ...}", "18", 0.0),  # a sequence, not 18
+        (r"\boxed{0.33...}", "0.33", 0.0),  # 1/3, not 0.33
+        (r"\boxed{\hbox{18 dollars}}", "18", 1.0),
     ],
 )
 def test_accuracy_headings_multi_boxes_unfinished_boxes(acc: MathAccuracy, completion: str, gold: str,
