@@ -59,7 +59,8 @@ def export_adapter(peft_model: nn.Module, out_dir: str | Path, base: dict | None
     if base and base.get("model"):
         for config in peft_model.peft_config.values():
             config.base_model_name_or_path = config.base_model_name_or_path or str(base["model"])
-    peft_model.save_pretrained(out)
+    # (the adapter holds no embedding layers: "auto" would look the base up on the hub to check its vocabulary)
+    peft_model.save_pretrained(out, save_embedding_layers=False)
     _write_base(out, base)
     norms = {hf_name(n): p.detach().cpu().contiguous() for n, p in peft_model.named_parameters()
              if p.requires_grad and not _is_adapter(n)}
