@@ -57,10 +57,12 @@ def check_ckpt_path(subcommand: str, ckpt_path: str | None, dirs: list[str]) -> 
     if not ckpt_path or ckpt_path in ("best", "hpc", "registry") or ckpt_path.startswith("registry:"):
         return
     if ckpt_path == "last":
-        if subcommand != "fit" and not dirs:  # Lightning would find no `last` and evaluate the untrained model
+        if subcommand == "fit":
+            return
+        if not dirs:  # Lightning would find no `last` and evaluate the untrained model
             raise ValueError(f"--ckpt_path last: no ModelCheckpoint with a dirpath in the config, so nothing says "
                              f"where `last` is: name the .ckpt file (or add the run's ModelCheckpoint)")
-        if subcommand != "fit" and not any(glob.glob(os.path.join(d, "last*.ckpt")) for d in dirs):
+        if not any(glob.glob(os.path.join(d, "last*.ckpt")) for d in dirs):
             raise ValueError(f"--ckpt_path last: no last*.ckpt in {', '.join(dirs)}: nothing to {subcommand} "
                              "(leave --ckpt_path out to evaluate the configured model)")
         return

@@ -18,10 +18,10 @@ from safetensors.torch import load_file, save_file
 from qerl.model import LoraSettings, lora_config
 
 TRAINABLE_NORMS_FILE = "trainable_norms.safetensors"
-# The base an adapter was trained on, as qerl built it: {"model", "dtype", "seed"} (a tiny model's
-# weights are its seed's and its NVFP4 codes its dtype's; ``python -m qerl.export`` rebuilds that base)
+# The base an adapter was trained on, as qerl built it (a tiny model's weights are its seed's, its
+# NVFP4 codes its dtype's; ``python -m qerl.export`` rebuilds that base): these keys, in qerl_base.json
+# beside an adapter and as a training checkpoint's ``qerl_base``.
 BASE_FILE = "qerl_base.json"
-# What qerl_base.json (and a checkpoint\'s qerl_base) records of the base an adapter trained on.
 BASE_KEYS = ("model", "dtype", "seed", "quantization")
 _PEFT_PREFIX = "base_model.model."
 
@@ -148,11 +148,12 @@ def _load_checkpoint(ckpt_path: str | Path) -> dict:
     return ckpt
 
 
-def adapter_from_checkpoint(ckpt_path: str | Path, out_dir: str | Path) -> Path:
+def adapter_from_checkpoint(ckpt_path: str | Path | dict, out_dir: str | Path) -> Path:
     """The adapter of a training checkpoint (``.ckpt``: the trainable tensors and the module's
     hyper-parameters), written as :func:`export_adapter` writes it at the end of a run, without loading
-    the base model: to serve or evaluate any step of a run, also one that did not finish."""
-    ckpt = _load_checkpoint(ckpt_path)
+    the base model: to serve or evaluate any step of a run, also one that did not finish.
+    ``ckpt_path`` may also be the checkpoint :func:`_load_checkpoint` already read."""
+    ckpt = ckpt_path if isinstance(ckpt_path, dict) else _load_checkpoint(ckpt_path)
     hp, state = ckpt["hyper_parameters"] or {}, ckpt["state_dict"] or {}
     lora = hp.get("lora") or {}
     settings = lora if isinstance(lora, LoraSettings) else LoraSettings(**lora)

@@ -309,12 +309,21 @@ def _replace_export(out: Path, write) -> Path:
 _CHECKPOINT_ERRORS = (OSError, RuntimeError, ValueError, TypeError, KeyError, pickle.UnpicklingError)
 
 
-def _checkpoint_adapter(parser: argparse.ArgumentParser, ckpt: str, out: str | Path) -> Path:
-    """:func:`adapter_from_checkpoint` with an unreadable or foreign checkpoint as a one-line CLI error."""
+def _read_checkpoint(parser: argparse.ArgumentParser, path: str) -> dict:
+    """:func:`_load_checkpoint` with an unreadable or foreign checkpoint as a one-line CLI error."""
     try:
-        return adapter_from_checkpoint(ckpt, out)
+        return _load_checkpoint(path)
     except _CHECKPOINT_ERRORS as err:
-        parser.error(f"cannot read the adapter of --adapter {ckpt}: {err}")
+        parser.error(f"cannot read the adapter of --adapter {path}: {err}")
+
+
+def _checkpoint_adapter(parser: argparse.ArgumentParser, path: str, out: str | Path, ckpt: dict | None = None) -> Path:
+    """:func:`adapter_from_checkpoint` (of ``ckpt`` when already read) with an unreadable or foreign
+    checkpoint as a one-line CLI error."""
+    try:
+        return adapter_from_checkpoint(path if ckpt is None else ckpt, out)
+    except _CHECKPOINT_ERRORS as err:
+        parser.error(f"cannot read the adapter of --adapter {path}: {err}")
 
 
 def _check_trained_base(parser: argparse.ArgumentParser, args: argparse.Namespace, trained_on: str | None,
@@ -354,9 +363,11 @@ def _base_quantization(args: argparse.Namespace, trained: str | None) -> str:
     return "bf16"
 
 
-def _base_settings(parser: argparse.ArgumentParser, args: argparse.Namespace) -> tuple[str, int, str | None]:
+def _base_settings(parser: argparse.ArgumentParser, args: argparse.Namespace,
+                   ckpt: dict | None) -> tuple[str, int, str | None]:
     """(dtype, seed, quantization) of the base the adapter trained on, once --model is checked against
-    the adapter's recorded base (quantization None: not recorded).
+    the adapter's recorded base (quantization None: not recorded); ``ckpt``: the --adapter training
+    checkpoint, read.
     With a training checkpoint, or an adapter directory qerl wrote (``qerl_base.json``), the run's:
     NVFP4 codes of weights loaded (a .gguf dequantized) or randomly initialised in another dtype
     differ, and a tiny model's weights are its seed's; ``--dtype`` then casts only the dense tensors
@@ -364,11 +375,7 @@ def _base_settings(parser: argparse.ArgumentParser, args: argparse.Namespace) ->
     seed = 0 if args.seed is None else args.seed
     if not args.adapter:
         return args.dtype, seed, None
-    if str(args.adapter).endswith(".ckpt"):
-        try:
-            ckpt = _load_checkpoint(args.adapter)
-        except _CHECKPOINT_ERRORS as err:
-            parser.error(f"cannot read the adapter of --adapter {args.adapter}: {err}")
+    if ckpt is not None:
         base = checkpoint_base(ckpt)
     else:  # a peft adapter directory (checked by _check_paths)
         try:
@@ -422,7 +429,8 @@ def main(argv: list[str] | None = None) -> Path:
         out = _replace_export(Path(args.out), lambda tmp: _checkpoint_adapter(parser, args.adapter, tmp))
         print(out)
         return out
-    base_dtype, seed, trained_quantization = _base_settings(parser, args)
+    ckpt = _read_checkpoint(parser, args.adapter) if str(args.adapter or "").endswith(".ckpt") else None  # (once)
+    base_dtype, seed, trained_quantization = _base_settings(parser, args, ckpt)
     quantization = _base_quantization(args, trained_quantization)
     try:
         model, tokenizer = load_policy(args.model, quantization, None, dtype=base_dtype, device=args.device, seed=seed)
@@ -430,17 +438,17 @@ def main(argv: list[str] | None = None) -> Path:
         parser.error(f"cannot load --model {args.model} as {quantization}: {err}")
     if args.adapter:
         with tempfile.TemporaryDirectory() as tmp:
-            is_ckpt = str(args.adapter).endswith(".ckpt")
             try:  # an adapter that does not fit --model (trained on another base): one line
-                model = load_adapter(model, _checkpoint_adapter(parser, args.adapter, tmp) if is_ckpt else args.adapter)
+                adapter = args.adapter if ckpt is None else _checkpoint_adapter(parser, args.adapter, tmp, ckpt)
+                model = load_adapter(model, adapter)
             except ValueError as err:
                 parser.error(f"cannot load --adapter {args.adapter} onto --model {args.model}: {err}")
     export = export_nvfp4 if args.format == "nvfp4" else export_bf16
 
     def write(tmp: Path) -> None:
         export(model, tokenizer, tmp, dtype=args.dtype)
-        if args.adapter and (tmp / ADAPTER_SUBDIR).is_dir():  # the base it runs on, for a later export
-            # the base the adapter trained on (an export onto another base does not change that)
+        if args.adapter and (tmp / ADAPTER_SUBDIR).is_dir():  # for a later export: the base the adapter
+            # trained on (an export onto another base does not change that)
             _write_base(tmp / ADAPTER_SUBDIR, {"model": args.model, "dtype": base_dtype, "seed": seed,
                                                "quantization": trained_quantization})
     out = _replace_export(Path(args.out), write)

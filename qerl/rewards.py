@@ -289,7 +289,8 @@ _DIGIT_SEP_RE = re.compile(r"(?<=\d)(?:\\[,!:; ]|~|\{,\})(?=\d{3}(?!\d))")
 # The same with a plain, no-break or thin space (`12 345`: math-verify reads it as 12*345 -- 1 000 as
 # 0); applied to the box and the gold, not to free text, where "3 100-page books" is two numbers.
 _SPACE_SEP_RE = re.compile("(?<=\\d)[ \u00a0\u2009\u202f](?=\\d{3}(?!\\d))")
-_TEXT_RE = re.compile(r"\\(?:text|textrm|textbf|textnormal|mbox|hbox|mathrm)\s*\{([^{}]*)\}")
+_TEXT_MACROS = r"text|textrm|textbf|textnormal|mbox|hbox|mathrm"  # (one list: \text{} units and loose boxes)
+_TEXT_RE = re.compile(rf"\\(?:{_TEXT_MACROS})\s*\{{([^{{}}]*)\}}")
 # A whole `\text{}`-unwrapped box that is one number, optionally followed by unit words.
 _NUMBER_UNITS_RE = re.compile(r"\s*(\\?\$?\s*[-+]?(?:\d[\d,]*(?:\.\d+)?|\.\d+))(?:\s+([A-Za-z][A-Za-z\s.]*))?")
 # A box without LaTeX: one number, then words whose first has 3+ letters (`18 dollars`, `5 USD`;
@@ -304,13 +305,11 @@ _NOT_UNITS = frozenset(
 
 
 # Boxes that math-verify 0.9 leaves as strings although their `$content$` is the number.
-_LOOSE_BOX_RE = re.compile(r"%|\\(?:text|textrm|textbf|textnormal|mbox|hbox|mathrm|operatorname|unit)(?![a-z])")
-# A gold with several values: a comma outside brackets (`1, -2`; not `(1,2)` or `[0, 1)`) or `\pm`.
+_LOOSE_BOX_RE = re.compile(rf"%|\\(?:{_TEXT_MACROS}|operatorname|unit)(?![a-z])")
 # One closing `.`, `,` or `;` (not an ellipsis: `18, ...` is a sequence, `0.33...` is 1/3).
 _END_PUNCTUATION_RE = re.compile(r"(?<!\.)[ ]*[.,;]$")
+# A gold with several values: a comma outside brackets (`1, -2`; not `(1,2)` or `[0, 1)`) or `\pm`.
 _PM_RE = re.compile(r"\\(?:pm|mp)(?![A-Za-z])")
-
-
 _THOUSANDS_COMMA_RE = re.compile(r"(?<=\d),(?:\\!\s?)?(?=\d{3}(?!\d))")  # (`2, 100` is two values)
 
 
