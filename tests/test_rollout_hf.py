@@ -251,6 +251,36 @@ def test_decode_mode():
     assert decode_mode("cuda", True, "sdpa", static=False) == "dynamic"
     assert decode_mode("cuda", True, "flash_attention_2") == "dynamic"  # no explicit 4-D masks there
     assert decode_mode("cpu", False, "flash_attention_2", static=True) == "dynamic"
+    assert decode_mode("cuda", True, "sdpa", window_fits=False) == "dynamic"
+
+
+def test_sliding_window_models_decode_with_the_dynamic_cache_when_the_window_is_short():
+    """A static cache keeps only the window's slots on sliding layers (Mistral, Qwen2 with
+    use_sliding_window), so a static decode longer than the window would not fit its masks:
+    such models fall back to the dynamic cache, whose tokens equal an unrestricted static decode's."""
+    from transformers import AutoModelForCausalLM, MistralConfig, Qwen2Config
+
+    from qerl.rollout.hf import sliding_window_below
+
+    small = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, max_position_embeddings=256, eos_token_id=2, pad_token_id=0)
+    configs = [MistralConfig(sliding_window=8, **small),
+               Qwen2Config(use_sliding_window=True, sliding_window=8, max_window_layers=1, **small)]
+    assert not sliding_window_below(Qwen2Config(**small), 10_000)  # window off
+    prompts = [[5, 6, 7, 8, 9, 10, 11], [11, 12]]
+    for config in configs:
+        assert sliding_window_below(config, 9) and not sliding_window_below(config, 8)
+        config._attn_implementation = "sdpa"
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(config).eval()
+        engine = HFEngine(stop_token_ids=[2], pad_token_id=0)
+        engine.sync(model)
+        for new_tokens in (1, 6):  # prompt + completion 8 (fits the window: static) and 13 (dynamic)
+            sampling = SamplingSettings(temperature=0.0, max_new_tokens=new_tokens)
+            with torch.no_grad():
+                static = engine._generate_chunk(prompts, sampling, torch.Generator().manual_seed(0), static=True)
+                dynamic = engine._generate_chunk(prompts, sampling, torch.Generator().manual_seed(0), static=False)
+            assert static.completion_ids == dynamic.completion_ids and len(static.completion_ids[0]) == new_tokens
 
 
 @pytest.mark.gpu

@@ -237,12 +237,26 @@ def check_adapter_dtype(value: str, what: str) -> None:
         raise ValueError(f"{what} must be 'model' or 'stored', got {value!r}")
 
 
-def decode_mode(device_type: str, cuda_graphs: bool, attn_implementation: str, static: bool | None = None) -> str:
+def sliding_window_below(config, length: int) -> bool:
+    """Whether some attention layer of ``config`` sees only a window shorter than ``length`` tokens
+    (Mistral, Qwen2 with ``use_sliding_window``, Gemma-style ``layer_types``). Such a layer's static
+    cache keeps just the window, so the static decoder's full-length masks do not fit it."""
+    config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    window = getattr(config, "sliding_window", None)
+    if not window or window >= length:
+        return False
+    layer_types = getattr(config, "layer_types", None)
+    return layer_types is None or "sliding_attention" in layer_types
+
+
+def decode_mode(device_type: str, cuda_graphs: bool, attn_implementation: str, static: bool | None = None,
+                window_fits: bool = True) -> str:
     """``graph`` (static cache, CUDA graph), ``static`` (static cache, eager) or ``dynamic``.
     ``static=True`` forces the static cache (tests run it on the CPU), ``False`` the dynamic one;
-    attention implementations that take no explicit 4-D mask (flash attention...) stay dynamic."""
+    attention implementations that take no explicit 4-D mask (flash attention...) stay dynamic, and
+    so do models with a sliding window shorter than prompt + completion (``window_fits=False``)."""
     graph = device_type == "cuda" and cuda_graphs
-    if not (graph if static is None else static) or attn_implementation not in ("sdpa", "eager"):
+    if not (graph if static is None else static) or attn_implementation not in ("sdpa", "eager") or not window_fits:
         return "dynamic"
     return "graph" if graph else "static"
 
@@ -341,7 +355,8 @@ class HFEngine(RolloutEngine):
 
     def _decoder(self, ids, mask, positions, sampling: SamplingSettings, static: bool | None = None):
         impl = getattr(self.model.config, "_attn_implementation", "sdpa")
-        mode = decode_mode(ids.device.type, self.cuda_graphs, impl, static)
+        fits = not sliding_window_below(self.model.config, ids.shape[1] + sampling.max_new_tokens)
+        mode = decode_mode(ids.device.type, self.cuda_graphs, impl, static, window_fits=fits)
         if mode == "dynamic":
             return _DynamicDecoder(self.model, ids, mask, positions)
         return _StaticDecoder(self.model, ids, mask, positions, sampling.max_new_tokens, graph=mode == "graph")
