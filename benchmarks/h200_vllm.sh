@@ -6,6 +6,7 @@
 #   then one device call per chunk (cp .carry/<name>/cN/* /tmp/carry-<name>/), and
 #   bash benchmarks/h200_vllm.sh setup            # unpack + install the bundles, GGUF -> /tmp/testbed_bf16
 #   bash benchmarks/h200_vllm.sh parity gputest   # benchmarks/vllm_parity.py + every GPU test file (GPU_TEST_FILES)
+#   bash benchmarks/h200_vllm.sh smolparity       # the same on SmolLM2-135M (Llama, tied embeddings; BUNDLES="vllm deps smollm2" setup)
 #   bash benchmarks/h200_vllm.sh fit              # a short GRPO fit through train.py with engine: vllm
 #   bash benchmarks/h200_vllm.sh bench            # benchmarks/rollout_vllm.py (7B shape, nvfp4 vs bf16)
 #   bash benchmarks/h200_vllm.sh eval             # benchmarks/eval_base.py: GSM8K pass@1 of the three arms
@@ -21,20 +22,20 @@ export PYTHONUNBUFFERED=1 VLLM_ENABLE_V1_MULTIPROCESSING=0 VLLM_USE_FLASHINFER_S
 export PYTHONPATH=/tmp/site-vllm:/tmp/site-deps:/tmp/site-gguf:/tmp/site-cli:$PWD
 TESTBED=/tmp/testbed_bf16
 
-unpack() {  # name: /tmp/carry-<name>/part.* -> /tmp/site-<name>
+unpack() {  # name: /tmp/carry-<name>/part.* -> /tmp/carry-<name>/files (+ its wheels in /tmp/site-<name>)
   local name=$1 site=/tmp/site-$1
-  [ "$name" = testbed ] && site=/tmp/site-gguf
+  case "$name" in testbed|smollm2) site=/tmp/site-gguf ;; esac  # model bundles: a GGUF + the gguf wheel
+  [ -d /tmp/carry-"$name"/files ] || { cat /tmp/carry-"$name"/part.* | tar xf - -C /tmp/carry-"$name" || return 1; }
   [ -d "$site" ] && return 0
-  cat /tmp/carry-"$name"/part.* | tar xf - -C /tmp/carry-"$name" || return 1
   python3 -m pip install -q --no-index --no-deps --no-compile --target "$site" /tmp/carry-"$name"/files/*.whl
 }
 
 for stage in "$@"; do
   case "$stage" in
     setup)
-      for b in vllm deps testbed; do unpack $b || echo "unpack $b failed"; done
+      for b in ${BUNDLES:-vllm deps testbed}; do unpack $b || echo "unpack $b failed"; done
       python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site-cli .whl/cli/*.whl
-      [ -d $TESTBED ] || python3 -m qerl.export --model /tmp/carry-testbed/files/qwen2.5-coder-0.5b-instruct-q4_k_m.gguf \
+      [ -d $TESTBED ] || [ ! -d /tmp/carry-testbed ] || python3 -m qerl.export --model /tmp/carry-testbed/files/qwen2.5-coder-0.5b-instruct-q4_k_m.gguf \
         --format bf16 --out $TESTBED 2>&1 | tail -3
       python3 -c "import vllm, torchao, jsonargparse; print('vllm', vllm.__version__, 'torchao', torchao.__version__)"
       ;;
@@ -42,6 +43,16 @@ for stage in "$@"; do
       timeout 330 python3 benchmarks/vllm_parity.py --model $TESTBED --data data/gsm8k/test.jsonl \
         --out "$OUT"/vllm_parity_h200.json > "$OUT"/parity.log 2>&1; echo "parity exit $?"
       grep -v "^INFO\|^DEBUG" "$OUT"/parity.log | tail -25
+      ;;
+    smolparity)  # a Llama-architecture model with tied embeddings (SmolLM2-135M-Instruct, gpu-pack smollm2)
+      SMOL=/tmp/smollm2_bf16
+      [ -d $SMOL ] || python3 -m qerl.export --model /tmp/carry-smollm2/files/SmolLM2-135M-Instruct.Q4_1.gguf \
+        --format bf16 --out $SMOL 2>&1 | tail -2
+      for q in ${SMOL_ARMS:-nvfp4 bf16}; do  # bf16: the gap the model itself has between the two stacks
+        timeout 330 python3 benchmarks/vllm_parity.py --model $SMOL --data data/gsm8k/test.jsonl --quantization $q \
+          --out "$OUT"/vllm_parity_smollm2_${q}_h200.json > "$OUT"/smolparity_$q.log 2>&1; echo "smolparity $q exit $?"
+        grep -v "^INFO\|^DEBUG\|^WARNING" "$OUT"/smolparity_$q.log | tail -14
+      done
       ;;
     gputest)  # one process per file: with vLLM and the deliberately failed CUDA-graph capture of
       # test_rollout_hf in one process, all tests pass but the process aborts at exit

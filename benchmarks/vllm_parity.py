@@ -14,7 +14,9 @@ and pushes the adapter from memory, exactly as ``engine: vllm`` does in training
 3. **sampled log-probs**: T = 1 completions from vLLM; their sampler log-probs against the
    trainer's teacher-forced log-probs of the same tokens: mean / p99 / max |Δ|. vLLM has slept and
    woken since the sync (after step 2), so this also shows the adapter survives a level-1 sleep,
-   which DAPO's refill rounds rely on (they generate again without a sync).
+   which DAPO's refill rounds rely on (they generate again without a sync). Then again at
+   ``--temperature`` / ``--top-p`` (0.7 / 0.95): vLLM's processed log-probs against the trainer's of
+   the same tempered, nucleus-filtered distribution (``filter_logits``, as the embedded engine samples).
 4. **adapter live**: one Adam step on the LoRA weights; vLLM's log-probs of the same tokens (scored
    as prompt log-probs) before and after the next ``sync``, against the trainer's new ones.
 5. **AQN**: noise of std ``--sigma`` on the norms; vLLM (synced with the noisy scales) against the
@@ -24,7 +26,8 @@ and pushes the adapter from memory, exactly as ``engine: vllm`` does in training
 
 Prints a summary, writes the JSON with every number and the tolerances it checks (``checks``;
 exit status 1 when one fails): greedy identical on >= 1/2 of the prompts and every divergence a
-near tie of the trainer's top-2 (< 0.5 nats); sampled mean |Δ log-prob| <= 0.05 (p99 <= 0.5);
+near tie of the trainer's top-2 (< 0.5 nats); sampled mean |Δ log-prob| <= 0.05 (p99 <= 0.5), at both
+temperatures (at top-p <= 1% of the tokens outside the trainer's nucleus);
 after a sync the adapter's log-probs within 0.05 of the trainer's; with AQN vLLM closer to the
 trainer's noisy than its clean forward, bf16 scales copied exactly; sleep frees >= 1 GiB. The
 GPU test ``tests/test_vllm_engine.py::test_vllm_logprobs_match_the_trainer_gpu`` asserts the
@@ -44,17 +47,22 @@ from qerl.aqn import attach_noisy_norms  # noqa: E402
 from qerl.data import DEFAULT_SYSTEM_PROMPT, build_prompt_ids, load_examples  # noqa: E402
 from qerl.model import LoraSettings, load_policy  # noqa: E402
 from qerl.rollout import SamplingSettings, stop_token_ids  # noqa: E402
-from qerl.rollout.hf import HFEngine  # noqa: E402
+from qerl.rollout.hf import HFEngine, filter_logits  # noqa: E402
 from qerl.rollout.vllm import VLLMEngine, VLLMSettings  # noqa: E402
 
 
-def trainer_logprobs(model, prompts: list[list[int]], completions: list[list[int]], grad: bool = False):
-    """Teacher-forced log-probs of each completion token, one unpadded sequence at a time."""
+def trainer_logprobs(model, prompts: list[list[int]], completions: list[list[int]], grad: bool = False,
+                     sampling: SamplingSettings | None = None):
+    """Teacher-forced log-probs of each completion token, one unpadded sequence at a time; with
+    ``sampling``, of the distribution it samples from (logits / T, top-k / top-p set renormalised),
+    which is what vLLM's ``processed_logprobs`` and the embedded engine return."""
     out = []
     with torch.set_grad_enabled(grad):
         for p, c in zip(prompts, completions):
             ids = torch.tensor([p + c], device="cuda")
             logits = model(input_ids=ids).logits[0, len(p) - 1: -1].float()  # (T, V)
+            if sampling is not None:
+                logits = filter_logits(logits / sampling.temperature, sampling.top_k, sampling.top_p)
             out.append(torch.log_softmax(logits, -1).gather(-1, ids[0, len(p):, None])[:, 0])
     return out
 
@@ -106,6 +114,10 @@ def main():
     ap.add_argument("--lora-std", type=float, default=2e-3)
     ap.add_argument("--lr", type=float, default=2e-3)
     ap.add_argument("--sigma", type=float, default=1e-2)
+    ap.add_argument("--quantization", default="nvfp4", choices=["nvfp4", "bf16"],
+                    help="the frozen base (bf16: the 16-bit LoRA baseline, a reference for the gap NVFP4 adds)")
+    ap.add_argument("--temperature", type=float, default=0.7, help="the second sampled check's temperature")
+    ap.add_argument("--top-p", type=float, default=0.95, help="the second sampled check's nucleus mass")
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.3)
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "vllm_parity_h200.json"))
     args = ap.parse_args()
@@ -117,7 +129,7 @@ def main():
             json.dump(res, f, indent=1)
 
     t0 = time.perf_counter()
-    model, tok = load_policy(args.model, "nvfp4", LoraSettings(rank=32, alpha=32), dtype="bf16", device="cuda")
+    model, tok = load_policy(args.model, args.quantization, LoraSettings(rank=32, alpha=32), dtype="bf16", device="cuda")
     torch.manual_seed(0)
     with torch.no_grad():
         for n, p in model.named_parameters():
@@ -173,6 +185,19 @@ def main():
     res["scored_vs_sampler"] = abs_diff(vllm_scores(engine, rep_prompts, comps),
                                         [torch.tensor(x) for x in gen.sampler_logprobs])
     print("sampled |Δ logprob|:", res["sampled_logprobs"], flush=True)
+    # the same at the temperature / nucleus of a typical recipe: vLLM's processed log-probs against
+    # the trainer's of the same filtered distribution (a token the trainer's own top-p set leaves
+    # out -- a near tie at the nucleus edge -- is counted, not averaged as an infinity)
+    tp = SamplingSettings(temperature=args.temperature, top_p=args.top_p, top_k=0, max_new_tokens=args.sample_tokens)
+    gen_tp = engine.generate(prompts, args.samples, tp, seed=2)
+    ref_tp = trainer_logprobs(model, rep_prompts, gen_tp.completion_ids, sampling=tp)
+    vllm_tp = [torch.tensor(x) for x in gen_tp.sampler_logprobs]
+    inside = [torch.isfinite(r.cpu()) for r in ref_tp]
+    res["sampled_logprobs_tp"] = {
+        "temperature": tp.temperature, "top_p": tp.top_p,
+        "outside_trainer_nucleus": sum(int((~m).sum()) for m in inside),
+        **abs_diff([r.cpu()[m] for r, m in zip(ref_tp, inside)], [v[m] for v, m in zip(vllm_tp, inside)])}
+    print(f"sampled T={tp.temperature} top_p={tp.top_p} |Δ logprob|:", res["sampled_logprobs_tp"], flush=True)
     save()
 
     # 4. one optimizer step on the adapter: is the new adapter live after sync?
@@ -243,6 +268,9 @@ def main():
             all(abs(g) < 0.5 for g in res["greedy"]["trainer_logprob_gap_at_divergence"]),
         "sampled: mean |dlogprob| <= 0.05, p99 <= 0.5":
             res["sampled_logprobs"]["mean"] <= 0.05 and res["sampled_logprobs"]["p99"] <= 0.5,
+        "sampled at T / top-p: mean |dlogprob| <= 0.05, p99 <= 0.5, <= 1% of tokens outside the trainer's nucleus":
+            res["sampled_logprobs_tp"]["mean"] <= 0.05 and res["sampled_logprobs_tp"]["p99"] <= 0.5
+            and res["sampled_logprobs_tp"]["outside_trainer_nucleus"] <= 0.01 * res["sampled_logprobs_tp"]["tokens"],
         "adapter: after sync mean <= 0.05 and <= 1/5 of the stale one":
             upd["vllm_after_sync_vs_trainer"]["mean"] <= min(0.05, upd["vllm_stale_vs_trainer"]["mean"] / 5),
         "aqn: vLLM closer to the trainer's noisy forward than to its clean one":
