@@ -79,11 +79,29 @@ def global_scale_for(*weights: torch.Tensor, names: Sequence[str] = ()) -> torch
 def dequantize_nvfp4(
     qdata: torch.Tensor, scale: torch.Tensor, per_tensor_scale: torch.Tensor, dtype: torch.dtype
 ) -> torch.Tensor:
-    """Decode ``[N, K/2]`` packed codes into a dense ``[N, K]`` weight of ``dtype`` (computed in fp32)."""
+    """Decode ``[N, K/2]`` packed codes into a dense ``[N, K]`` weight of ``dtype`` (computed in fp32).
+    Each byte becomes its two values in one table lookup (torchao's decode of all 256 bytes, made once
+    per device): the same numbers as unpacking and decoding every nibble, ~9x faster on the CPU."""
     n, k = qdata.shape[0], qdata.shape[1] * 2
-    values = f4_unpacked_to_f32(unpack_uint4(qdata.contiguous())).view(n, k // BLOCK_SIZE, BLOCK_SIZE)
+    if torch.compiler.is_compiling():  # a cached table is a constant torch.compile cannot trace
+        values = f4_unpacked_to_f32(unpack_uint4(qdata.contiguous()))
+    else:
+        values = F.embedding(qdata.long(), _byte_values(qdata.device))
+    values = values.view(n, k // BLOCK_SIZE, BLOCK_SIZE)
     block_scales = scale.float() * per_tensor_scale.float()  # (N, K/16)
     return (values * block_scales.unsqueeze(-1)).view(n, k).to(dtype)
+
+
+_BYTE_VALUES: dict[torch.device, torch.Tensor] = {}
+
+
+def _byte_values(device: torch.device) -> torch.Tensor:
+    """fp32 ``[256, 2]``: the two e2m1 values packed in each byte (low nibble first)."""
+    table = _BYTE_VALUES.get(device)
+    if table is None:
+        every_byte = torch.arange(256, dtype=torch.uint8).view(256, 1)
+        table = _BYTE_VALUES[device] = f4_unpacked_to_f32(unpack_uint4(every_byte)).view(256, 2).to(device)
+    return table
 
 
 _KERNELS = None  # this repository's kernels/ package, once loaded
