@@ -22,6 +22,11 @@ from qerl.model import TINY_MODEL_NAMES
 from qerl.seeding import global_rng_state, set_global_rng_state
 
 
+# QeRLModule arguments that shape training only, not the weights an evaluation runs (validate /
+# test against a checkpoint do not compare them)
+_TRAINING_ONLY = ("loss", "optimizer", "gradient_checkpointing", "warn_after_steps", "fused_ops")
+
+
 class ResumeMixin:
     """Checkpoint hooks of ``QeRLModule`` (expects ``model``, ``optim_settings`` and ``_streaks``)."""
 
@@ -113,10 +118,17 @@ class ResumeMixin:
         for section, current in self._settings_sections().items():  # a section its config left out ran the defaults
             if section in saved and saved[section] is None:
                 saved[section] = _plain(type(current)())
-        differences = hparam_differences({**_plain(dict(self.hparams)), **self._resolved_settings()}, saved)
+        config = {**_plain(dict(self.hparams)), **self._resolved_settings()}
+        fitting = self._trainer is None or self.trainer.state.fn == "fit"
+        ignored = ("eval",) if fitting else _TRAINING_ONLY + ("eval",)  # validate / test: only what the weights are
+        differences = hparam_differences({k: v for k, v in config.items() if k not in ignored}, saved)
         if differences:  # `last` and a file alike (the CLI no longer swaps in the checkpoint's values)
             rank_zero_warn("the checkpoint was trained with other model settings; the config's are used:\n  "
                            + "\n  ".join(differences))
+        eval_changes = hparam_differences({"eval": config["eval"]}, saved) if fitting else []
+        if eval_changes:  # evaluating differently is no training difference, but the val curves change meaning
+            rank_zero_warn("the resumed run evaluates with other settings than the checkpoint's run (its val/ "
+                           "curves change meaning from here):\n  " + "\n  ".join(eval_changes))
         self._streaks.update(checkpoint.get("qerl_streaks", {}))
         self._checkpoint_max_steps = checkpoint.get("qerl_max_steps")
         self.checkpoint_step = checkpoint.get("global_step")
@@ -144,8 +156,9 @@ class ResumeMixin:
         """``model.adapter_path`` against the base it records (``qerl_base.json``; none: not written by
         qerl, nothing to check): another tiny model or seed is an error, as on resume; another model
         name, dtype or quantization a warning (the adapter then runs on weights it did not train on)."""
-        from qerl.adapter import read_base, same_model
+        from qerl.adapter import check_adapter_dir, read_base, same_model
 
+        check_adapter_dir(self.adapter_path)
         what = f"model.adapter_path {self.adapter_path}"
         base = read_base(self.adapter_path)
         if base is None:

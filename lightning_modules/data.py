@@ -130,6 +130,9 @@ class PromptDataModule(L.LightningDataModule):
         if max_prompt_length < 1 or (max_eval_prompt_length is not None and max_eval_prompt_length < 1):
             raise ValueError(f"data.max_prompt_length and max_eval_prompt_length must be >= 1, got "
                              f"{max_prompt_length} and {max_eval_prompt_length}")
+        for key, value in (("num_train_examples", num_train_examples), ("num_val_examples", num_val_examples)):
+            if value is not None and value < 1:
+                raise ValueError(f"data.{key} must be >= 1 or null (all rows), got {value}")
         self.save_hyperparameters()
         self.train_source = train_source
         self.val_sources = dict(val_sources or {})

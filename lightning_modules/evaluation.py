@@ -25,6 +25,16 @@ from qerl.rewards import MathAccuracy, extract_answer
 from qerl.rollout import SamplingSettings
 
 
+def unused_path(stem: str, suffixes: tuple[str, ...] = ("",)) -> str:
+    """``stem``, or ``stem-1``, ``stem-2``... : the first for which no ``stem + suffix`` exists, so
+    two runs writing to one folder (no logger: the working directory) keep both results."""
+    candidate, n = stem, 0
+    while any(os.path.exists(candidate + suffix) for suffix in suffixes):
+        n += 1
+        candidate = f"{stem}-{n}"
+    return candidate
+
+
 @dataclass
 class EvalSettings:
     """Evaluation (validate / test / periodic validation during fit). AQN noise is never applied.
@@ -197,13 +207,26 @@ class EvaluationMixin:
         if not self.trainer.sanity_checking:  # a few batches before fit: not a step-0 evaluation
             self._write_eval_report(stage, results, step)
 
+    def _adapter_label(self) -> str:
+        """Which LoRA weights ran, for the report's header (the step alone does not tell a fresh LoRA
+        from a loaded adapter: both evaluate at step 0)."""
+        if not self.eval_settings.use_adapter:
+            return "no adapter (base model)"
+        if self.trainer.state.fn == "fit":
+            return "adapter being trained"
+        if self.trainer.ckpt_path:
+            return f"adapter from {self.trainer.ckpt_path}"
+        if getattr(self, "adapter_path", None):
+            return f"adapter from {self.adapter_path}"
+        return "untrained adapter (LoRA B = 0: the base model's outputs)"
+
     def _write_eval_report(self, stage: str, results: dict, step: int) -> None:
         log_dir = getattr(self.trainer, "log_dir", None)
         if not log_dir or not self.trainer.is_global_zero:
             return
         out = os.path.join(log_dir, "eval")
         os.makedirs(out, exist_ok=True)
-        stem = os.path.join(out, f"{stage}_step{step}")
+        stem = unused_path(os.path.join(out, f"{stage}_step{step}"), (".json", ".md"))
         s = self.eval_settings
         with open(stem + ".json", "w") as f:
             json.dump({"stage": stage, "global_step": step, "ckpt_path": self.trainer.ckpt_path, "model": self.model_name,
@@ -216,7 +239,7 @@ class EvaluationMixin:
         for name, values in results.items():
             lines.append(f"| {name} | {values['problems']} | " + " | ".join(f"{100 * values[k]:.1f}%" for k in keys) + " |")
         with open(stem + ".md", "w") as f:
-            f.write(f"{self.model_name} ({self.quantization}, adapter={'on' if s.use_adapter else 'off'}), "
+            f.write(f"{self.model_name} ({self.quantization}, {self._adapter_label()}), "
                     f"step {step}; pass@1 is greedy, mean@n and pass@k from n = {s.samples} "
                     f"samples at T = {s.temperature}, top-p {s.top_p}\n\n" + "\n".join(lines) + "\n")
 

@@ -253,11 +253,27 @@ def _target_modules(value):
     return value if value is None or isinstance(value, str) else sorted(value)
 
 
+def check_adapter_dir(adapter_dir: str | Path) -> None:
+    """A one-line ValueError unless ``adapter_dir`` is a peft adapter directory, with a hint for the
+    usual mix-ups: a Lightning ``.ckpt`` (that is ``--ckpt_path``) or a run folder holding ``adapter/``."""
+    adapter_dir = Path(adapter_dir)
+    if (adapter_dir / "adapter_config.json").is_file():
+        return
+    hint = "a peft adapter directory, as training writes to <log_dir>/adapter"
+    if adapter_dir.is_file():
+        hint = ("a file, not an adapter directory: resume or evaluate a Lightning checkpoint with --ckpt_path"
+                if adapter_dir.suffix == ".ckpt" else "a file, not an adapter directory")
+    elif not adapter_dir.exists():
+        hint = "no such directory"
+    elif (adapter_dir / "adapter" / "adapter_config.json").is_file():
+        hint = f"did you mean {adapter_dir / 'adapter'}?"
+    raise ValueError(f"adapter {adapter_dir}: no adapter_config.json there ({hint})")
+
+
 def _check_adapter_config(peft_model: nn.Module, adapter_dir: Path) -> None:
     """ValueError naming every LoRA setting where ``adapter_dir/adapter_config.json`` and the model differ."""
+    check_adapter_dir(adapter_dir)
     config_file = adapter_dir / "adapter_config.json"
-    if not config_file.is_file():
-        raise ValueError(f"adapter {adapter_dir}: no adapter_config.json there (a peft adapter directory)")
     saved = json.loads(config_file.read_text())
     if not _is_peft(peft_model) or "default" not in getattr(peft_model, "peft_config", {}):
         raise ValueError(f"adapter {adapter_dir}: the model has no LoRA to load it into (set model.lora)")

@@ -50,28 +50,30 @@ class PassAtK(Metric):
         if bad:
             raise ValueError(f"pass@k needs 2 <= k <= samples ({k}); got k = {bad}")
         self.pass_k = wanted if k > 0 else []
-        self.add_state("greedy_correct", default=torch.tensor(0.0), dist_reduce_fx="sum")
-        self.add_state("sampled_mean", default=torch.tensor(0.0), dist_reduce_fx="sum")
-        self.add_state("sampled_pass", default=torch.zeros(len(self.pass_k)), dist_reduce_fx="sum")
-        self.add_state("problems", default=torch.tensor(0.0), dist_reduce_fx="sum")
+        # float64 sums: pass@k terms are fractions, and float32 would show in the report's digits
+        zero = torch.tensor(0.0, dtype=torch.float64)
+        self.add_state("greedy_correct", default=zero.clone(), dist_reduce_fx="sum")
+        self.add_state("sampled_mean", default=zero.clone(), dist_reduce_fx="sum")
+        self.add_state("sampled_pass", default=torch.zeros(len(self.pass_k), dtype=torch.float64), dist_reduce_fx="sum")
+        self.add_state("problems", default=zero.clone(), dist_reduce_fx="sum")
 
     def update(self, greedy_correct: torch.Tensor, sampled_correct: torch.Tensor | None = None) -> None:
         """``greedy_correct``: (P,) 0/1; ``sampled_correct``: (P, n) 0/1, or None when n = 0."""
-        self.greedy_correct += greedy_correct.float().sum()
+        self.greedy_correct += greedy_correct.double().sum()
         self.problems += greedy_correct.numel()
         if sampled_correct is not None and self.k > 0:
             n = sampled_correct.shape[1]
-            c = sampled_correct.float().sum(1)
+            c = sampled_correct.double().sum(1)
             self.sampled_mean += (c / n).sum()
             for j, k in enumerate(self.pass_k):
                 self.sampled_pass[j] += sum(pass_at_k(n, int(ci), k) for ci in c.tolist())
 
     def compute(self) -> dict[str, torch.Tensor]:
-        # the ratios in float64: 2/3 reads 0.6666666666666666 in the JSON report, not float32's 0.6666666269302368
-        p = self.problems.clamp(min=1).double()
-        out = {"pass@1": self.greedy_correct.double() / p}
+        # float64 throughout: 2/3 reads 0.6666666666666666 in the JSON report, not float32's 0.6666666269302368
+        p = self.problems.clamp(min=1)
+        out = {"pass@1": self.greedy_correct / p}
         if self.k > 0:
-            out[f"mean@{self.k}"] = self.sampled_mean.double() / p
+            out[f"mean@{self.k}"] = self.sampled_mean / p
             for j, k in enumerate(self.pass_k):
-                out[f"pass@{k}"] = self.sampled_pass[j].double() / p
+                out[f"pass@{k}"] = self.sampled_pass[j] / p
         return out

@@ -513,3 +513,9 @@ def test_short_answer_sets_and_byte_order_marks_load(tmp_path):
     as_json.write_text("\ufeff" + json.dumps(rows), encoding="utf-8")
     assert len(load_examples(str(as_json), "test")) == 2
 
+
+
+@pytest.mark.parametrize("key", ["num_train_examples", "num_val_examples"])
+def test_a_non_positive_example_limit_names_its_key(key):
+    with pytest.raises(ValueError, match=f"data.{key} must be >= 1 or null"):
+        PromptDataModule(**{key: 0})

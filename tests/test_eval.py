@@ -95,6 +95,9 @@ def test_metrics_count_each_problem_once_under_ddp_padding():
     assert out["pass@2"] == pytest.approx(4 / 5)
     greedy_only = metrics_from_records([row(7, False, None)], samples=0, pass_k=None)
     assert greedy_only == {"pass@1": 0.0, "problems": 1}
+    # summed and divided in float64: the report's digits are the fractions', not float32 noise
+    thirds = metrics_from_records([row(0, True, [1, 0, 0])], samples=3, pass_k=[2])
+    assert thirds["mean@3"] == 1 / 3 and thirds["pass@2"] == 2 / 3
 
 
 def test_validate_on_quickstart_logs_pass_at_1_and_writes_report(tmp_path, monkeypatch):
@@ -107,7 +110,22 @@ def test_validate_on_quickstart_logs_pass_at_1_and_writes_report(tmp_path, monke
     report = json.loads(next(Path(cli.trainer.log_dir).glob("eval/val_step0.json")).read_text())
     assert report["metrics"]["arithmetic"]["problems"] == 8
     assert len(report["completions"]["arithmetic"]) == 8
-    assert (Path(cli.trainer.log_dir) / "eval" / "val_step0.md").read_text().count("| arithmetic | 8 |") == 1
+    md = (Path(cli.trainer.log_dir) / "eval" / "val_step0.md").read_text()
+    assert md.count("| arithmetic | 8 |") == 1 and "untrained adapter" in md.splitlines()[0]
+
+
+def test_runs_without_a_logger_keep_each_others_reports_and_adapters(tmp_path, monkeypatch):
+    """No logger: log_dir is the working directory for every run; a second run adds ``-1`` names."""
+    monkeypatch.chdir(tmp_path)
+    for use_adapter in ("true", "false"):
+        main(["validate", *fast_args(tmp_path, 2), "--trainer.logger=false", f"--model.eval.use_adapter={use_adapter}"])
+    first, second = (tmp_path / "eval" / "val_step0.md").read_text(), (tmp_path / "eval" / "val_step0-1.md").read_text()
+    assert "untrained adapter" in first and "no adapter (base model)" in second
+    assert json.loads((tmp_path / "eval" / "val_step0-1.json").read_text())["use_adapter"] is False
+    for run in range(2):
+        main(["fit", *fast_args(tmp_path / f"run{run}", 1), "--trainer.logger=false"])
+    assert (tmp_path / "adapter" / "adapter_config.json").is_file()
+    assert (tmp_path / "adapter-1" / "adapter_config.json").is_file()
 
 
 def _record_eval_generations(monkeypatch) -> list[dict]:
@@ -157,7 +175,7 @@ def test_test_stage_and_base_model_evaluation(tmp_path, monkeypatch):
     assert math.isfinite(float(cli.trainer.callback_metrics["test/arithmetic/pass@1"]))
     assert seen and not any(g["lora_on"] for g in seen)  # the "before" row: adapter off
     report = Path(cli.trainer.log_dir) / "eval" / "test_step0.md"
-    assert "adapter=off" in report.read_text()
+    assert "no adapter (base model)" in report.read_text()
     seen.clear()
     main(["test", *fast_args(tmp_path / "b", 2)])
     assert seen and all(g["lora_on"] for g in seen)
@@ -197,6 +215,15 @@ def test_validate_with_adapter_path_loads_the_trained_adapter_and_norms(tmp_path
     with pytest.warns(UserWarning, match=r"was trained on another base \(quantization nvfp4 \(this run: bf16\)\)"):
         main(["validate", *fast_args(tmp_path / "val3", 2), "--model.lora.trainable_norms=true",
               f"--model.adapter_path={adapter}", "--model.quantization=bf16"])
+    # the usual mix-ups -- the run folder, a Lightning checkpoint -- are named before the model loads
+    import lightning_modules.qerl_module as qerl_module
+
+    monkeypatch.setattr(qerl_module, "load_policy", lambda *a, **k: pytest.fail("loaded before checking the path"))
+    (tmp_path / "last.ckpt").write_bytes(b"")
+    for path, hint in ((adapter.parent, r"did you mean .*adapter\?"), (tmp_path / "last.ckpt", "--ckpt_path"),
+                       (tmp_path / "nowhere", "no such directory")):
+        with pytest.raises(ValueError, match=f"no adapter_config.json there .*{hint}"):
+            main(["validate", *fast_args(tmp_path / "val4", 2), f"--model.adapter_path={path}"])
 
 
 def test_report_columns_in_reading_order():

@@ -66,9 +66,13 @@ def test_resume_from_last_warns_each_changed_model_setting(tmp_path, monkeypatch
     monkeypatch.chdir(tmp_path)
     main(["fit", *fast_args(tmp_path, 1)])
     with pytest.warns(UserWarning) as record:
-        resumed = main(["fit", *fast_args(tmp_path, 2, ["--ckpt_path", "last", "--model.loss.kl_coef=0.5"])])
+        resumed = main(["fit", *fast_args(tmp_path, 2, ["--ckpt_path", "last", "--model.loss.kl_coef=0.5",
+                                                        "--model.eval.samples=3"])])
     text = " | ".join(str(w.message) for w in record)
     assert "model.loss.kl_coef: 0.5 (config) vs 0.01 (checkpoint)" in text, text
+    trained = next(str(w.message) for w in record if "other model settings" in str(w.message))
+    evaluated = next(str(w.message) for w in record if "evaluates with other settings" in str(w.message))
+    assert "model.eval.samples" not in trained and "model.eval.samples: 3 (config)" in evaluated, text
     assert "compute_dtype" not in text and "group_by_length" not in text, text   # no false differences
     assert resumed.model.loss_settings.kl_coef == 0.5
     # a checkpoint from before the resolved settings were saved (and before compute_dtype /
@@ -220,6 +224,17 @@ def test_validate_a_checkpoint_is_labelled_with_its_step(tmp_path, monkeypatch):
     assert report["global_step"] == 2 and report["ckpt_path"] == str(ckpt)
     _, acc = scalars(f"{tmp_path}/val/logs")
     assert [e.step for e in acc.Scalars("val/arithmetic/pass@1")] == [2]
+    # evaluating a checkpoint differently (other eval, loss or optimizer settings) is no difference in
+    # the weights: no warning; a LoRA setting that changes what the weights compute still warns
+    import warnings
+
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        main(["validate", *fast_args(tmp_path / "val2", 2, ["--ckpt_path", str(ckpt), "--model.eval.samples=3",
+                                                            "--model.loss.kl_coef=0.5", "--model.optimizer.lr=0.5"])])
+    assert not [w for w in record if "other model settings" in str(w.message)], [str(w.message) for w in record]
+    with pytest.warns(UserWarning, match=r"model.lora.alpha: 4 \(config\) vs 16"):
+        main(["validate", *fast_args(tmp_path / "val3", 2, ["--ckpt_path", str(ckpt), "--model.lora.alpha=4"])])
 
 
 def test_hparam_differences_compares_nested_settings():
