@@ -165,6 +165,16 @@ EXPECTED_THREE_STEPS = {  # step 0 has no signal (every completion hits the leng
 }
 
 
+def test_fit_without_a_rollout_callback_is_a_clear_error(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    args = fast_args(tmp_path, 1)
+    cfg = yaml.safe_load(Path(args[1]).read_text())
+    cfg["trainer"]["callbacks"] = [cb for cb in cfg["trainer"]["callbacks"] if "RolloutCallback" not in cb["class_path"]]
+    Path(args[1]).write_text(yaml.safe_dump(cfg))
+    with pytest.raises(ValueError, match="fit needs a callbacks.RolloutCallback in trainer.callbacks"):
+        main(["fit", *args])
+
+
 def test_three_seeded_steps_regression(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     main(["fit", *fast_args(tmp_path, 3)])
