@@ -452,9 +452,9 @@ def load_policy(
     if lora is not None:
         model = add_lora(model, lora)
     sizes, counts = base_weight_bytes(model), count_parameters(model)
-    log.info(
-        "base weights %.1f MB (decoder linears %.1f MB); trainable params %d of %d (%.2f%%)",
-        sizes["total"] / 1e6, sizes["decoder_linears"] / 1e6, counts["trainable"], counts["total"],
-        100 * counts["trainable"] / max(counts["total"], 1),
-    )
+    trainable = (f"trainable params {counts['trainable']} of {counts['total']} "
+                 f"({100 * counts['trainable'] / max(counts['total'], 1):.2f}%)" if lora is not None
+                 else f"{counts['total']} params, no LoRA")  # (without LoRA nothing here is trained)
+    log.info("base weights %.1f MB (decoder linears %.1f MB); %s",
+             sizes["total"] / 1e6, sizes["decoder_linears"] / 1e6, trainable)
     return model, tokenizer
