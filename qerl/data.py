@@ -351,9 +351,30 @@ def build_prompt_ids(tokenizer: Any, question: str, system_prompt: str | None) -
     if not _has_chat_template(tokenizer):
         _warn_no_template(tokenizer)
         return _to_id_lists(tokenizer(_plain_text(question, system_prompt))["input_ids"])[0]
-    messages = _messages(question, system_prompt)
-    encoded = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    from jinja2.exceptions import TemplateError
+
+    try:
+        encoded = tokenizer.apply_chat_template(_messages(question, system_prompt), add_generation_prompt=True,
+                                                tokenize=True)
+    except TemplateError as err:  # Gemma's, Mistral-Instruct v0.1's templates raise on a system turn
+        if not system_prompt:
+            raise ValueError(f"the tokenizer's chat template failed on a user message: {err}") from err
+        _warn_folded_system_prompt(tokenizer, err)
+        encoded = tokenizer.apply_chat_template(_messages(f"{system_prompt}\n\n{question}", None),
+                                                add_generation_prompt=True, tokenize=True)
     return _to_id_lists(encoded)[0]
+
+
+_warned_folded_system_prompt = False
+
+
+def _warn_folded_system_prompt(tokenizer: Any, err: Exception) -> None:
+    global _warned_folded_system_prompt
+    if not _warned_folded_system_prompt:
+        _warned_folded_system_prompt = True
+        logger.warning("the chat template of %s refuses a system message (%s): data.system_prompt is put at the "
+                       "start of the user message instead (set data.system_prompt: null for none)",
+                       getattr(tokenizer, "name_or_path", type(tokenizer).__name__), err)
 
 
 def encode_prompts(

@@ -292,6 +292,22 @@ def test_build_prompt_ids_without_chat_template_warns_once(caplog, monkeypatch):
     assert caplog.text.count("no chat template") == 1
 
 
+def test_a_template_without_a_system_role_gets_the_system_prompt_in_the_user_turn(caplog, monkeypatch):
+    """Gemma's and Mistral-Instruct v0.1's templates raise on a system message."""
+    gemma_like = build_tiny_tokenizer()
+    gemma_like.chat_template = (
+        "{% if messages[0]['role'] == 'system' %}{{ raise_exception('System role not supported') }}{% endif %}"
+        "{% for m in messages %}<turn>{{ m['role'] }}\n{{ m['content'] }}\n{% endfor %}"
+        "{% if add_generation_prompt %}<turn>model\n{% endif %}")
+    monkeypatch.setattr(qdata, "_warned_folded_system_prompt", False)
+    with caplog.at_level(logging.WARNING, logger="qerl.data"):
+        first = build_prompt_ids(gemma_like, "Q?", "S")
+        build_prompt_ids(gemma_like, "Q2?", "S")
+    assert gemma_like.decode(first) == "<turn>user\nS\n\nQ?\n<turn>model\n"
+    assert caplog.text.count("refuses a system message") == 1
+    assert gemma_like.decode(build_prompt_ids(gemma_like, "Q?", None)) == "<turn>user\nQ?\n<turn>model\n"
+
+
 # ------------------------------------------------------------------------------------------ DataModule
 
 
