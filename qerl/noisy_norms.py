@@ -88,8 +88,15 @@ def rms_norm_mismatch(module: nn.Module) -> str | None:
         with torch.no_grad():
             x = torch.randn(3, weight.shape[0], generator=torch.Generator().manual_seed(0)).to(weight)
             zero = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
-            if not torch.allclose(module(x).float(), _rmsnorm(module, x, zero, eps).float(), rtol=1e-2, atol=1e-2):
-                return "does not compute weight * x * rsqrt(mean(x^2) + eps)"
+            got, formula = module(x), _rmsnorm(module, x, zero, eps)
+            if torch.equal(got, formula.to(got.dtype)):
+                return None
+            if torch.allclose(got.float(), _rmsnorm(module, x, torch.ones_like(zero), eps).float(), rtol=1e-2, atol=1e-2):
+                return "computes (1 + weight) * x * rsqrt(mean(x^2) + eps) (a Gemma-style norm), not weight * ..."
+            if torch.allclose(got.float(), formula.float(), rtol=1e-2, atol=1e-2):  # e.g. OLMo2: w * x in fp32, then cast
+                return ("rounds differently from weight * x.to(dtype) * rsqrt(...) (it is not bit-identical to "
+                        "the formula the noisy and fused norms compute)")
+            return "does not compute weight * x * rsqrt(mean(x^2) + eps)"
     return None
 
 
@@ -98,7 +105,8 @@ def _wrap(module: nn.Module, name: str) -> None:
         return  # already wrapped (e.g. a deepcopy of a wrapped model): adopt it
     reason = rms_norm_mismatch(module)
     if reason is not None:
-        raise ValueError(f"{name} ({type(module).__name__}) {reason}")
+        raise ValueError(f"{name} ({type(module).__name__}) {reason}: AQN's noisy norms replace its forward by HF's "
+                         "plain RMSNorm, weight * x * rsqrt(mean(x^2) + eps); leave AQN out for this model")
     module.aqn_eps = _eps(module)
     module.aqn_noise = torch.zeros(module.weight.shape, dtype=torch.float32, device=module.weight.device)
     module.aqn_active = False
@@ -219,18 +227,28 @@ def attach_noisy_norms(model: nn.Module,
     Works on plain HF models and peft-wrapped ones. The norms' parameters, buffers and state_dict
     keys are unchanged, and noise starts off (sigma = 0). Raises if nothing matches.
     """
-    targets: dict[str, tuple[nn.Module, list[nn.Module]]] = {}
     modules = dict(model.named_modules())
+    matched: list[tuple[str, str]] = []  # (name without peft wrapper suffixes, qualified name of the leaf)
     for qname, module in modules.items():
         if "weight" not in module._parameters:
             continue
         name = qname
         while _WRAPPER_SUFFIX.search(name):
             name = _WRAPPER_SUFFIX.sub("", name)
-        if not any(name == n or name.endswith("." + n) for n in module_names):
-            continue
-        _wrap(module, qname)
-        targets.setdefault(name, (modules[name], []))[1].append(module)
-    if not targets:
+        if any(name == n or name.endswith("." + n) for n in module_names):
+            matched.append((name, qname))
+    if not matched:
         raise ValueError(f"no module name ends with any of {list(module_names)}")
+    post_norms = [n for n, _ in matched if n.endswith("post_attention_layernorm")  # (a peft wrapper keeps the name)
+                  and n.rpartition(".")[0] + ".post_feedforward_layernorm" in modules]
+    if post_norms:  # OLMo2, Gemma2/3: normalises the attention's output before the residual add
+        raise ValueError(f"{post_norms[0]} is a post-norm here (its layer also has a post_feedforward_layernorm): it "
+                         "scales the attention output, not the MLP's input, so AQN noise there is not the paper's "
+                         "noise on the frozen weights; set AQNCallback.module_names to the norms before q/k/v and "
+                         "gate/up, or leave AQN out for this architecture")
+    targets: dict[str, tuple[nn.Module, list[nn.Module]]] = {}
+    for name, qname in matched:
+        _wrap(modules[qname], qname)
+        targets.setdefault(name, (modules[name], []))[1].append(modules[qname])
     return NoisyNorms(targets)
+

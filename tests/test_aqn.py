@@ -279,6 +279,31 @@ def test_only_named_norms_get_noise_and_state_dict_is_untouched():
         attach_noisy_norms(torch.nn.Sequential(torch.nn.LayerNorm(8)), ["0"])
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_norms_of_other_architectures_are_refused_with_the_reason(dtype):
+    """Gemma's (1 + w) norms, OLMo2's post-norms and its fp32-multiply rounding: AQN refuses them by
+    name and reason, wrapping nothing (the paper's noise sits on the norms before q/k/v and gate/up)."""
+    from transformers import AutoModelForCausalLM, GemmaConfig, LlamaConfig, Olmo2Config
+
+    from qerl.noisy_norms import rms_norm_mismatch
+
+    small = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, head_dim=8)
+    build = lambda config: AutoModelForCausalLM.from_config(config).to(dtype)  # noqa: E731
+    with pytest.raises(ValueError, match=r"input_layernorm \(GemmaRMSNorm\) computes \(1 \+ weight\).*leave AQN out"):
+        attach_noisy_norms(build(GemmaConfig(**small)))
+    olmo2 = build(Olmo2Config(**small))
+    with pytest.raises(ValueError, match="post_attention_layernorm is a post-norm here"):
+        attach_noisy_norms(olmo2)
+    assert not any("forward" in m.__dict__ for m in olmo2.modules())  # nothing wrapped
+    llama = build(LlamaConfig(**small))
+    assert rms_norm_mismatch(llama.model.layers[0].input_layernorm) is None
+    if dtype == torch.bfloat16:  # OLMo2 multiplies in fp32 then casts: off by an ulp, not bit-identical
+        with torch.no_grad():
+            olmo2.model.layers[0].self_attn.q_norm.weight.uniform_(0.7, 1.3)
+        assert "rounds differently" in rms_norm_mismatch(olmo2.model.layers[0].self_attn.q_norm)
+
+
 @torch.no_grad()
 def test_noise_is_added_to_the_scale_not_multiplied():
     """w + Z (the paper's Eq.), checked on a norm whose weights are not 1 (where w * (1 + Z) would agree)."""
