@@ -215,6 +215,23 @@ def test_gpu_fused_kernels_bf16():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not CUDA, reason="needs CUDA")
+@pytest.mark.parametrize("arch", ["qwen2", "llama"])
+def test_gpu_hf_rms_norms_pass_the_bit_exact_check(arch):
+    """AQN and the fused norm take a norm only when its forward equals the plain RMSNorm formula bit
+    for bit: transformers' Qwen2 / Llama norms on CUDA in bf16 (trained scales, not ones) must pass."""
+    from qerl.noisy_norms import rms_norm_mismatch
+    from qerl.tiny import build_tiny_model
+
+    model = build_tiny_model(arch).to("cuda", torch.bfloat16)
+    norms = [m for n, m in model.named_modules() if n.endswith("layernorm") or n.endswith("model.norm")]
+    with torch.no_grad():
+        for m in norms:
+            m.weight.uniform_(0.5, 1.5)
+    assert norms and all(rms_norm_mismatch(m) is None for m in norms)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs CUDA")
 def test_gpu_engine_with_and_without_fused_ops():
     """bf16 NVFP4 policy with AQN on the GPU, CUDA-graph decoding: the engine with the fused ops (and
     also with the fused projections) samples what the unfused one samples (greedy tokens equal,
