@@ -159,12 +159,8 @@ class QeRLModule(ResumeMixin, EvaluationMixin, L.LightningModule):
         Checkpoint files are named by the optimizer step they hold (see ``callbacks/checkpoint.py``).
         Warns when a checkpoint interval or max_steps does not fit (see :func:`step_count_warnings`)."""
         from callbacks.checkpoint import use_step_checkpoints
-        from callbacks.rollout import RolloutCallback
         from callbacks.summary import replace_default_progress_bar, replace_default_summary
 
-        if self.trainer.state.fn == "fit" and not any(isinstance(cb, RolloutCallback) for cb in self.trainer.callbacks):
-            raise ValueError("fit needs a callbacks.RolloutCallback in trainer.callbacks: it generates and scores "
-                             "the completions each training step learns from (see configs/quickstart.yaml)")
         replace_default_summary(self.trainer.callbacks)
         replace_default_progress_bar(self.trainer.callbacks)  # "Epoch 0", not "Epoch 0/-2"
         use_step_checkpoints(self.trainer.callbacks)
@@ -243,6 +239,9 @@ class QeRLModule(ResumeMixin, EvaluationMixin, L.LightningModule):
 
     def _rl_step(self, batch: dict) -> None:
         """One rollout batch: advantages, the no-grad passes, K updates over micro-batches, logging."""
+        if "rollout" not in batch:  # attached by a callback at on_train_batch_start
+            raise ValueError("fit needs a callbacks.RolloutCallback in trainer.callbacks: it generates and scores "
+                             "the completions each training step learns from (see configs/quickstart.yaml)")
         rollout: Rollout = batch["rollout"].to(self.device)
         s = self.loss_settings
         opt, sched = self.optimizers(), self.lr_schedulers()
