@@ -281,31 +281,28 @@ def test_build_prompt_ids_uses_chat_template(tokenizer):
     assert "\\boxed{}" in DEFAULT_SYSTEM_PROMPT
 
 
-def test_build_prompt_ids_without_chat_template_warns_once(caplog, monkeypatch):
-    plain = build_tiny_tokenizer()
-    plain.chat_template = None
-    monkeypatch.setattr(qdata, "_warned_no_template", False)
-    with caplog.at_level(logging.WARNING, logger="qerl.data"):
-        first = build_prompt_ids(plain, "Q?", "S")
-        build_prompt_ids(plain, "Q2?", "S")
-    assert plain.decode(first) == "S\n\nQ?\n"
-    assert caplog.text.count("no chat template") == 1
+_GEMMA_LIKE_TEMPLATE = (  # Gemma's and Mistral-Instruct v0.1's templates raise on a system message
+    "{% if messages[0]['role'] == 'system' %}{{ raise_exception('System role not supported') }}{% endif %}"
+    "{% for m in messages %}<turn>{{ m['role'] }}\n{{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}<turn>model\n{% endif %}")
 
 
-def test_a_template_without_a_system_role_gets_the_system_prompt_in_the_user_turn(caplog, monkeypatch):
-    """Gemma's and Mistral-Instruct v0.1's templates raise on a system message."""
-    gemma_like = build_tiny_tokenizer()
-    gemma_like.chat_template = (
-        "{% if messages[0]['role'] == 'system' %}{{ raise_exception('System role not supported') }}{% endif %}"
-        "{% for m in messages %}<turn>{{ m['role'] }}\n{{ m['content'] }}\n{% endfor %}"
-        "{% if add_generation_prompt %}<turn>model\n{% endif %}")
-    monkeypatch.setattr(qdata, "_warned_folded_system_prompt", False)
+@pytest.mark.parametrize("template, flag, warning, expected", [
+    (None, "_warned_no_template", "no chat template", "S\n\nQ?\n"),  # plain text
+    (_GEMMA_LIKE_TEMPLATE, "_warned_folded_system_prompt", "refuses a system message",
+     "<turn>user\nS\n\nQ?\n<turn>model\n"),  # the system prompt opens the user turn
+])
+def test_prompts_without_a_usable_system_turn_warn_once(template, flag, warning, expected, caplog, monkeypatch):
+    tokenizer = build_tiny_tokenizer()
+    tokenizer.chat_template = template
+    monkeypatch.setattr(qdata, flag, False)
     with caplog.at_level(logging.WARNING, logger="qerl.data"):
-        first = build_prompt_ids(gemma_like, "Q?", "S")
-        build_prompt_ids(gemma_like, "Q2?", "S")
-    assert gemma_like.decode(first) == "<turn>user\nS\n\nQ?\n<turn>model\n"
-    assert caplog.text.count("refuses a system message") == 1
-    assert gemma_like.decode(build_prompt_ids(gemma_like, "Q?", None)) == "<turn>user\nQ?\n<turn>model\n"
+        first = build_prompt_ids(tokenizer, "Q?", "S")
+        build_prompt_ids(tokenizer, "Q2?", "S")
+    assert tokenizer.decode(first) == expected
+    assert caplog.text.count(warning) == 1
+    if template is not None:
+        assert tokenizer.decode(build_prompt_ids(tokenizer, "Q?", None)) == "<turn>user\nQ?\n<turn>model\n"
 
 
 # ------------------------------------------------------------------------------------------ DataModule
