@@ -251,4 +251,3 @@ def attach_noisy_norms(model: nn.Module,
         _wrap(modules[qname], qname)
         targets.setdefault(name, (modules[name], []))[1].append(modules[qname])
     return NoisyNorms(targets)
-
