@@ -11,6 +11,7 @@ standard normals.
 from __future__ import annotations
 
 import contextlib
+import copy
 import math
 import re
 from collections.abc import Iterator, Sequence
@@ -84,14 +85,22 @@ def rms_norm_mismatch(module: nn.Module) -> str | None:
     eps, weight = _eps(module), getattr(module, "weight", None)
     if eps is None or not isinstance(weight, torch.Tensor) or weight.dim() != 1 or getattr(module, "bias", None) is not None:
         return "is not an RMSNorm with a 1-D weight and an eps"
-    if weight.device.type != "meta":
-        with torch.no_grad():
-            x = torch.randn(3, weight.shape[0], generator=torch.Generator().manual_seed(0)).to(weight)
-            zero = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
-            got, formula = module(x), _rmsnorm(module, x, zero, eps)
+    if weight.device.type == "meta":
+        return None
+    # probed on a copy with scales away from 1 (a fresh norm's ones hide rounding differences), with
+    # inputs in the weight's dtype and, for fp32 (trained) scales, in the bf16 of the activations
+    probe = copy.deepcopy(module)
+    probe.aqn_active = False  # a noisy norm (fused_ops asks while noise is on) is probed without its noise
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        probe.weight.copy_(torch.rand(weight.shape, generator=g) + 0.5)
+        zero = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
+        for dtype in {weight.dtype, torch.bfloat16 if weight.dtype == torch.float32 else weight.dtype}:
+            x = torch.randn(3, weight.shape[0], generator=g).to(device=weight.device, dtype=dtype)
+            got, formula = probe(x), _rmsnorm(probe, x, zero, eps)
             if torch.equal(got, formula.to(got.dtype)):
-                return None
-            if torch.allclose(got.float(), _rmsnorm(module, x, torch.ones_like(zero), eps).float(), rtol=1e-2, atol=1e-2):
+                continue
+            if torch.allclose(got.float(), _rmsnorm(probe, x, torch.ones_like(zero), eps).float(), rtol=1e-2, atol=1e-2):
                 return "computes (1 + weight) * x * rsqrt(mean(x^2) + eps) (a Gemma-style norm), not weight * ..."
             if torch.allclose(got.float(), formula.float(), rtol=1e-2, atol=1e-2):  # e.g. OLMo2: w * x in fp32, then cast
                 return ("rounds differently from weight * x.to(dtype) * rsqrt(...) (it is not bit-identical to "
@@ -100,13 +109,17 @@ def rms_norm_mismatch(module: nn.Module) -> str | None:
     return None
 
 
-def _wrap(module: nn.Module, name: str) -> None:
-    if isinstance(module.__dict__.get("forward"), _NoisyForward):
-        return  # already wrapped (e.g. a deepcopy of a wrapped model): adopt it
+def _check_plain_rms_norm(module: nn.Module, name: str) -> None:
     reason = rms_norm_mismatch(module)
     if reason is not None:
         raise ValueError(f"{name} ({type(module).__name__}) {reason}: AQN's noisy norms replace its forward by HF's "
                          "plain RMSNorm, weight * x * rsqrt(mean(x^2) + eps); leave AQN out for this model")
+
+
+def _wrap(module: nn.Module) -> None:
+    """Give a checked norm (:func:`_check_plain_rms_norm`) its noisy forward, noise off."""
+    if isinstance(module.__dict__.get("forward"), _NoisyForward):
+        return  # already wrapped (e.g. a deepcopy of a wrapped model): adopt it
     module.aqn_eps = _eps(module)
     module.aqn_noise = torch.zeros(module.weight.shape, dtype=torch.float32, device=module.weight.device)
     module.aqn_active = False
@@ -244,10 +257,13 @@ def attach_noisy_norms(model: nn.Module,
     if post_norms:  # OLMo2, Gemma2/3: normalises the attention's output before the residual add
         raise ValueError(f"{post_norms[0]} is a post-norm here (its layer also has a post_feedforward_layernorm): it "
                          "scales the attention output, not the MLP's input, so AQN noise there is not the paper's "
-                         "noise on the frozen weights; set AQNCallback.module_names to the norms before q/k/v and "
-                         "gate/up, or leave AQN out for this architecture")
+                         "noise on the frozen weights, and these layers have no plain norm before q/k/v and gate/up: "
+                         "leave AQN out for this architecture")
+    for _, qname in matched:  # every norm checked before any is wrapped
+        if not isinstance(modules[qname].__dict__.get("forward"), _NoisyForward):
+            _check_plain_rms_norm(modules[qname], qname)
     targets: dict[str, tuple[nn.Module, list[nn.Module]]] = {}
     for name, qname in matched:
-        _wrap(modules[qname], qname)
+        _wrap(modules[qname])
         targets.setdefault(name, (modules[name], []))[1].append(modules[qname])
     return NoisyNorms(targets)

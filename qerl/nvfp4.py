@@ -86,7 +86,7 @@ def dequantize_nvfp4(
     if torch.compiler.is_compiling():  # a cached table is a constant torch.compile cannot trace
         values = f4_unpacked_to_f32(unpack_uint4(qdata.contiguous()))
     else:
-        values = F.embedding(qdata.long(), _byte_values(qdata.device))
+        values = F.embedding(qdata.int(), _byte_values(qdata.device))  # int32 indices: half the long temporary
     values = values.view(n, k // BLOCK_SIZE, BLOCK_SIZE)
     block_scales = scale.float() * per_tensor_scale.float()  # (N, K/16)
     return (values * block_scales.unsqueeze(-1)).view(n, k).to(dtype)

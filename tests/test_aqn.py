@@ -282,7 +282,8 @@ def test_only_named_norms_get_noise_and_state_dict_is_untouched():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_norms_of_other_architectures_are_refused_with_the_reason(dtype):
     """Gemma's (1 + w) norms, OLMo2's post-norms and its fp32-multiply rounding: AQN refuses them by
-    name and reason, wrapping nothing (the paper's noise sits on the norms before q/k/v and gate/up)."""
+    name and reason, wrapping nothing (the paper's noise sits on the norms before q/k/v and gate/up);
+    Llama's norms pass in bf16, with fp32 (trained) scales and while their noise is on."""
     from transformers import AutoModelForCausalLM, GemmaConfig, LlamaConfig, Olmo2Config
 
     from qerl.noisy_norms import rms_norm_mismatch
@@ -296,12 +297,18 @@ def test_norms_of_other_architectures_are_refused_with_the_reason(dtype):
     with pytest.raises(ValueError, match="post_attention_layernorm is a post-norm here"):
         attach_noisy_norms(olmo2)
     assert not any("forward" in m.__dict__ for m in olmo2.modules())  # nothing wrapped
+    with pytest.raises(ValueError, match="q_norm .* rounds differently"):  # OLMo2 multiplies in fp32, then casts
+        attach_noisy_norms(olmo2, ["q_norm"])   # (fresh scales of 1 hide it: the check probes other scales)
+    assert not any("forward" in m.__dict__ for m in olmo2.modules())
+    q_norm = olmo2.model.layers[0].self_attn.q_norm
+    q_norm.float()  # trained norms keep fp32 scales while activations stay bf16: still not bit-identical there
+    assert "rounds differently" in rms_norm_mismatch(q_norm)
     llama = build(LlamaConfig(**small))
+    norm = llama.model.layers[0].input_layernorm
+    assert rms_norm_mismatch(norm) is None and rms_norm_mismatch(norm.float()) is None
+    norms = attach_noisy_norms(llama)
+    norms.set_noise(0.1, seed=0, step=1)  # fused_ops asks about norms while their noise is on
     assert rms_norm_mismatch(llama.model.layers[0].input_layernorm) is None
-    if dtype == torch.bfloat16:  # OLMo2 multiplies in fp32 then casts: off by an ulp, not bit-identical
-        with torch.no_grad():
-            olmo2.model.layers[0].self_attn.q_norm.weight.uniform_(0.7, 1.3)
-        assert "rounds differently" in rms_norm_mismatch(olmo2.model.layers[0].self_attn.q_norm)
 
 
 @torch.no_grad()
