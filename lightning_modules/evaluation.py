@@ -25,14 +25,21 @@ from qerl.rewards import MathAccuracy, extract_answer
 from qerl.rollout import SamplingSettings
 
 
-def unused_path(stem: str, suffixes: tuple[str, ...] = ("",)) -> str:
-    """``stem``, or ``stem-1``, ``stem-2``... : the first for which no ``stem + suffix`` exists, so
-    two runs writing to one folder (no logger: the working directory) keep both results."""
-    candidate, n = stem, 0
-    while any(os.path.exists(candidate + suffix) for suffix in suffixes):
-        n += 1
-        candidate = f"{stem}-{n}"
-    return candidate
+def claim_unused_path(stem: str, suffix: str = "", directory: bool = False) -> str:
+    """``stem``, or ``stem-1``, ``stem-2``...: the first whose ``stem + suffix`` file (or, with
+    ``directory``, folder) this call creates, empty, so two runs writing to one folder (no logger: the
+    working directory) keep both results, even at the same moment (creation is exclusive)."""
+    n = 0
+    while True:
+        candidate = stem if n == 0 else f"{stem}-{n}"
+        try:
+            if directory:
+                os.mkdir(candidate)
+            else:
+                open(candidate + suffix, "x").close()
+            return candidate
+        except FileExistsError:
+            n += 1
 
 
 @dataclass
@@ -226,7 +233,7 @@ class EvaluationMixin:
             return
         out = os.path.join(log_dir, "eval")
         os.makedirs(out, exist_ok=True)
-        stem = unused_path(os.path.join(out, f"{stage}_step{step}"), (".json", ".md"))
+        stem = claim_unused_path(os.path.join(out, f"{stage}_step{step}"), ".json")  # (.md beside it)
         s = self.eval_settings
         with open(stem + ".json", "w") as f:
             json.dump({"stage": stage, "global_step": step, "ckpt_path": self.trainer.ckpt_path, "model": self.model_name,

@@ -39,7 +39,7 @@ from qerl.losses import high_entropy_mask, truncated_is_weights
 from lightning_modules.checkpointing import ResumeMixin
 from lightning_modules.settings import LIGHTNING_ADVICE_THAT_DOES_NOT_APPLY, lr_factor, param_groups, step_count_warnings
 from lightning_modules.settings import LossSettings, OptimizerSettings  # noqa: F401  (the CLI's model.loss, .optimizer)
-from lightning_modules.evaluation import EvalSettings, EvaluationMixin, unused_path  # noqa: F401  (EvalSettings: the CLI's model.eval)
+from lightning_modules.evaluation import EvalSettings, EvaluationMixin, claim_unused_path  # noqa: F401  (EvalSettings: the CLI's model.eval)
 from qerl.model import LoraSettings, base_model_only, load_policy, load_tokenizer
 from qerl.rollout import Rollout
 from qerl.seeding import resolve_seed
@@ -465,7 +465,7 @@ class QeRLModule(ResumeMixin, EvaluationMixin, L.LightningModule):
         if self.trainer.is_global_zero and log_dir:
             from qerl.adapter import export_adapter  # LoRA + trainable norms, peft format
 
-            out = unused_path(f"{log_dir}/adapter")  # a logger-less run's log_dir is shared: keep earlier ones
+            out = claim_unused_path(f"{log_dir}/adapter", directory=True)  # a logger-less run's log_dir is shared
             export_adapter(self.model, out, base=self.base_record())  # (for qerl.export)
             if not out.endswith("/adapter"):
                 rank_zero_warn(f"{log_dir}/adapter holds an earlier run's adapter: this run's is in {out}")

@@ -114,6 +114,17 @@ def test_validate_on_quickstart_logs_pass_at_1_and_writes_report(tmp_path, monke
     assert md.count("| arithmetic | 8 |") == 1 and "untrained adapter" in md.splitlines()[0]
 
 
+def test_claim_unused_path_creates_what_it_returns(tmp_path):
+    from lightning_modules.evaluation import claim_unused_path
+
+    stem = str(tmp_path / "val_step0")
+    assert [claim_unused_path(stem, ".json") for _ in range(3)] == [stem, stem + "-1", stem + "-2"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["val_step0-1.json", "val_step0-2.json", "val_step0.json"]
+    adapter = str(tmp_path / "adapter")
+    assert [claim_unused_path(adapter, directory=True) for _ in range(2)] == [adapter, adapter + "-1"]
+    assert (tmp_path / "adapter-1").is_dir()
+
+
 def test_runs_without_a_logger_keep_each_others_reports_and_adapters(tmp_path, monkeypatch):
     """No logger: log_dir is the working directory for every run; a second run adds ``-1`` names."""
     monkeypatch.chdir(tmp_path)
