@@ -29,6 +29,7 @@ def claim_unused_path(stem: str, suffix: str = "", directory: bool = False) -> s
     """``stem``, or ``stem-1``, ``stem-2``...: the first whose ``stem + suffix`` file (or, with
     ``directory``, folder) this call creates, empty, so two runs writing to one folder (no logger: the
     working directory) keep both results, even at the same moment (creation is exclusive)."""
+    os.makedirs(os.path.dirname(stem) or ".", exist_ok=True)
     n = 0
     while True:
         candidate = stem if n == 0 else f"{stem}-{n}"
