@@ -232,9 +232,7 @@ class EvaluationMixin:
         log_dir = getattr(self.trainer, "log_dir", None)
         if not log_dir or not self.trainer.is_global_zero:
             return
-        out = os.path.join(log_dir, "eval")
-        os.makedirs(out, exist_ok=True)
-        stem = claim_unused_path(os.path.join(out, f"{stage}_step{step}"), ".json")  # (.md beside it)
+        stem = claim_unused_path(os.path.join(log_dir, "eval", f"{stage}_step{step}"), ".json")  # (.md beside it)
         s = self.eval_settings
         with open(stem + ".json", "w") as f:
             json.dump({"stage": stage, "global_step": step, "ckpt_path": self.trainer.ckpt_path, "model": self.model_name,

@@ -353,16 +353,16 @@ def build_prompt_ids(tokenizer: Any, question: str, system_prompt: str | None) -
         return _to_id_lists(tokenizer(_plain_text(question, system_prompt))["input_ids"])[0]
     from jinja2.exceptions import TemplateError
 
+    def render(messages: list[dict[str, str]]) -> list[int]:
+        return _to_id_lists(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True))[0]
+
     try:
-        encoded = tokenizer.apply_chat_template(_messages(question, system_prompt), add_generation_prompt=True,
-                                                tokenize=True)
+        return render(_messages(question, system_prompt))
     except TemplateError as err:  # Gemma's, Mistral-Instruct v0.1's templates raise on a system turn
         if not system_prompt:
             raise ValueError(f"the tokenizer's chat template failed on a user message: {err}") from err
         _warn_folded_system_prompt(tokenizer, err)
-        encoded = tokenizer.apply_chat_template(_messages(f"{system_prompt}\n\n{question}", None),
-                                                add_generation_prompt=True, tokenize=True)
-    return _to_id_lists(encoded)[0]
+        return render(_messages(f"{system_prompt}\n\n{question}", None))
 
 
 _warned_folded_system_prompt = False

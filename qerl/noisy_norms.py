@@ -116,9 +116,13 @@ def _check_plain_rms_norm(module: nn.Module, name: str) -> None:
                          "plain RMSNorm, weight * x * rsqrt(mean(x^2) + eps); leave AQN out for this model")
 
 
+def _is_wrapped(module: nn.Module) -> bool:
+    return isinstance(module.__dict__.get("forward"), _NoisyForward)
+
+
 def _wrap(module: nn.Module) -> None:
     """Give a checked norm (:func:`_check_plain_rms_norm`) its noisy forward, noise off."""
-    if isinstance(module.__dict__.get("forward"), _NoisyForward):
+    if _is_wrapped(module):
         return  # already wrapped (e.g. a deepcopy of a wrapped model): adopt it
     module.aqn_eps = _eps(module)
     module.aqn_noise = torch.zeros(module.weight.shape, dtype=torch.float32, device=module.weight.device)
@@ -260,7 +264,7 @@ def attach_noisy_norms(model: nn.Module,
                          "noise on the frozen weights, and these layers have no plain norm before q/k/v and gate/up: "
                          "leave AQN out for this architecture")
     for _, qname in matched:  # every norm checked before any is wrapped
-        if not isinstance(modules[qname].__dict__.get("forward"), _NoisyForward):
+        if not _is_wrapped(modules[qname]):
             _check_plain_rms_norm(modules[qname], qname)
     targets: dict[str, tuple[nn.Module, list[nn.Module]]] = {}
     for name, qname in matched:
