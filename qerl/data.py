@@ -20,8 +20,9 @@ thousands separators), ``math`` (``problem`` + ``answer``, or the last
 ``answer_key``), and ``auto`` (detected from the first row whose keys match one of the above;
 explicit keys mean ``custom``). Every layout honours ``prompt_key``/``answer_key`` overrides.
 
-Bad rows (invalid JSON, missing or empty fields) are skipped with a warning naming the line/row,
-and counted (`LoadedExamples.num_skipped`); only a source with no usable row at all is an error.
+Bad rows (invalid JSON or UTF-8, text with a lone surrogate, missing or empty fields, a NaN answer)
+are skipped with a warning naming the line/row, and counted (`LoadedExamples.num_skipped`); only a
+source with no usable row at all is an error.
 """
 
 from __future__ import annotations
@@ -90,7 +91,15 @@ def _as_text(value: Any, key: str = "") -> str:
         raise _BadRow(f"field {key!r} is a {type(value).__name__} ({str(value)[:40]}), not text or a number")
     if isinstance(value, float):
         return _float_text(value)
-    return str(value).strip()
+    text = str(value).strip()
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        # a lone surrogate (JSON `"\ud83d"`, half an emoji) loads, but the tokenizer raises an opaque
+        # TypeError on it later and that would end the whole dataloader
+        raise _BadRow(f"field {key!r} is not valid Unicode (lone surrogate {text[e.start]!r} at "
+                      f"character {e.start + 1})") from None
+    return text
 
 
 def _float32(value: float) -> float | None:
@@ -103,7 +112,10 @@ def _float32(value: float) -> float | None:
 def _float_text(value: float) -> str:
     """A numeric answer as a person writes it: positional (``5e-05`` → ``0.00005``: math-verify
     reads ``5e-05`` as e − 5), integers without ``.0``, and a float32 column's value by its own
-    shortest digits (``123.44999694824219`` → ``123.45``)."""
+    shortest digits (``123.44999694824219`` → ``123.45``). NaN (a pandas / parquet missing value,
+    or JSON's ``NaN``) is no answer: ``""``, so the row is skipped as one with an empty field."""
+    if math.isnan(value):
+        return ""
     if not math.isfinite(value):
         return str(value)
     if value.is_integer():
@@ -166,6 +178,8 @@ def _row_to_pair(row: Any, layout: str, prompt_key: str | None, answer_key: str 
             answer = extract_boxed(_as_text(row["solution"], "solution")) or ""
             if not answer:
                 raise _BadRow("no 'answer' field and no \\boxed{} in 'solution'")
+        elif "answer" in row:  # null, NaN or blank
+            raise _BadRow("empty field 'answer' and no 'solution'")
         else:
             raise _BadRow(f"missing field 'answer' or 'solution' (row has {sorted(row)})")
     elif layout == "custom":

@@ -1,7 +1,8 @@
 """Where prompt rows come from: local ``.jsonl`` / ``.json`` / ``.parquet`` files, local directories
 (``<split>.<ext>``, ``save_to_disk`` folders, downloaded dataset repos) and Hugging Face dataset ids
 (``"id:config"``). Yields raw rows with a name for messages; ``qerl.data`` turns them into examples.
-A row that cannot be parsed is yielded as a :class:`BadRow` (skipped and counted there)."""
+A row that cannot be parsed is yielded as a :class:`BadRow` (skipped and counted there). A ``.json``
+file is a list of rows, an object holding one list of rows, one row, or JSON Lines."""
 
 from __future__ import annotations
 
@@ -25,6 +26,7 @@ _RawRow = tuple[int, str, Any]
 
 
 _INVALID_UTF8 = re.compile("[\udc80-\udcff]")  # what errors="surrogateescape" makes of a bad byte
+_LINE_END = re.compile(r"\r\n?|\n")  # the line ends that reading a file in text mode splits at
 
 
 def _read_jsonl(path: Path) -> Iterator[_RawRow]:
@@ -34,6 +36,8 @@ def _read_jsonl(path: Path) -> Iterator[_RawRow]:
         for lineno, line in enumerate(f, start=1):
             if not line.strip():
                 continue
+            # a byte-order mark inside the file, where files saved with one were joined (`cat a b`)
+            line = line.removeprefix("\ufeff")
             row: Any
             if bad := _INVALID_UTF8.search(line):
                 row = BadRow(f"invalid UTF-8 (byte {ord(bad.group()) - 0xDC00:#04x} at column {bad.start() + 1})")
@@ -57,23 +61,46 @@ def _json_error(text: str) -> json.JSONDecodeError | None:
     return None
 
 
-def _read_json(path: Path) -> Iterator[_RawRow]:
-    text = path.read_text(encoding="utf-8-sig")
-    try:
-        data = json.loads(text)
-    except json.JSONDecodeError as e:
-        if e.msg == "Extra data":  # JSON Lines saved as .json (common on the Hub)
-            yield from _read_jsonl(path)
-            return
-        raise ValueError(f"{path}: not valid JSON ({e.msg} at line {e.lineno})") from None
+def _looks_like_json_lines(text: str) -> bool:
+    """Whether a ``.json`` file that is not one JSON document is JSON Lines (common on the Hub), some
+    rows broken: at least two non-blank lines, at least half of them JSON on their own. A broken
+    pretty-printed document (lines like ``[`` or ``"a": 1,``) is not, and keeps its own error."""
+    lines = [line.removeprefix("\ufeff") for line in _LINE_END.split(text) if line.strip()]
+    return len(lines) > 1 and 2 * sum(_json_error(line) is None for line in lines) >= len(lines)
+
+
+def _row_list(data: Any, path: Path) -> list:
+    """The rows of a parsed ``.json`` document: a list of rows, an object holding exactly one list of
+    objects (``{"data": [...]}``, maybe beside scalar metadata), or else one object that is one row."""
     if isinstance(data, Mapping):
-        lists = [v for v in data.values() if isinstance(v, list)]
-        if len(lists) != 1:
-            raise ValueError(f"{path}: expected a JSON list of rows (or an object holding exactly one list)")
-        data = lists[0]
+        lists = [v for v in data.values() if isinstance(v, list) and all(isinstance(r, Mapping) for r in v)]
+        if len(lists) > 1:
+            raise ValueError(f"{path}: expected a JSON list of rows (or an object holding exactly one list of rows, "
+                             f"not {len(lists)})")
+        return lists[0] if lists else [data]
     if not isinstance(data, list):
         raise ValueError(f"{path}: expected a JSON list of rows, got {type(data).__name__}")
-    for i, row in enumerate(data):
+    return data
+
+
+def _read_json(path: Path) -> Iterator[_RawRow]:
+    # undecodable bytes become lone surrogates, as in `_read_jsonl`, so they can be reported by position
+    text = path.read_bytes().decode("utf-8-sig", errors="surrogateescape")
+    try:
+        data, error = json.loads(text), None
+    except json.JSONDecodeError as e:
+        if _looks_like_json_lines(text):  # JSON Lines saved as .json: a broken line is one bad row
+            yield from _read_jsonl(path)
+            return
+        data, error = None, e
+    if bad := _INVALID_UTF8.search(text):
+        line = text.count("\n", 0, bad.start()) + 1
+        column = bad.start() - (text.rfind("\n", 0, bad.start()) + 1) + 1
+        raise ValueError(f"{path}: invalid UTF-8 (byte {ord(bad.group()) - 0xDC00:#04x} at line {line}, "
+                         f"column {column}); save the file as UTF-8")
+    if error is not None:
+        raise ValueError(f"{path}: not valid JSON ({error.msg} at line {error.lineno})") from None
+    for i, row in enumerate(_row_list(data, path)):
         yield i, f"{path}[{i}]", row
 
 

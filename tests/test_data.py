@@ -514,6 +514,69 @@ def test_numeric_answers_are_written_as_people_write_them(value, text):
     assert qdata._as_text(value) == text
 
 
+def test_a_nan_answer_is_an_empty_field(tmp_path, caplog):
+    """A NaN (pandas' missing value, JSON's ``NaN``) is no gold: the row is skipped, not graded against 'nan'."""
+    assert qdata._as_text(float("nan")) == ""
+    path = write_jsonl(tmp_path / "nan.jsonl", ['{"problem": "p1", "answer": NaN}', '{"problem": "p2", "answer": 3}',
+                                                '{"question": "q3", "answer": NaN}'])
+    with caplog.at_level(logging.WARNING, logger="qerl.data"):
+        ex = load_examples(path, layout="math")
+    assert [e.answer for e in ex] == ["3"] and ex.num_skipped == 2
+    assert f"{path}:1: empty field 'answer' and no 'solution'" in caplog.text
+    assert load_examples(path, layout="gsm8k", prompt_key="problem").num_skipped == 2  # `_field`: empty
+
+
+def test_a_lone_surrogate_is_a_bad_row(tmp_path, tokenizer, caplog):
+    """Half an emoji (JSON ``"\ud83d"``) loads as a lone surrogate that the fast tokenizer later rejects
+    with a TypeError; it is a malformed row, named and counted, and the rest encode."""
+    rows = ['{"question": "Emoji cut in half: \\ud83d", "answer": "#### 6"}',
+            '{"question": "A whole one \\ud83d\\ude00", "answer": "#### 7"}', GSM8K_ROWS[0]]
+    path = write_jsonl(tmp_path / "surrogate.jsonl", rows)
+    with caplog.at_level(logging.WARNING, logger="qerl.data"):
+        ex = load_examples(path)
+    assert [e.answer for e in ex] == ["7", "72"] and ex.num_skipped == 1
+    assert f"{path}:1: field 'question' is not valid Unicode (lone surrogate '\\ud83d' at character 20)" in caplog.text
+    assert len(qdata.encode_prompts(tokenizer, ex, DEFAULT_SYSTEM_PROMPT)[1]) == 2
+
+
+def test_json_files_broken_encoding_lines_and_single_rows(tmp_path, caplog):
+    """``.json``: invalid UTF-8 names the file; JSON Lines saved as ``.json`` is read line by line even
+    when a line is broken; one object is one row unless it holds the list of rows."""
+    lines = [json.dumps(r).encode() for r in GSM8K_ROWS]
+    latin = tmp_path / "latin.json"
+    latin.write_bytes(b'[{"question": "caf\xe9", "answer": "#### 1"}]')
+    with pytest.raises(ValueError, match=f"^{latin}: invalid UTF-8 \\(byte 0xe9 at line 1, column 19\\)"):
+        load_examples(str(latin))
+    latin_lines = tmp_path / "latin_lines.json"
+    latin_lines.write_bytes(b"\n".join([lines[0], b'{"question": "caf\xe9", "answer": "#### 1"}', lines[1]]))
+    truncated = tmp_path / "trunc_first.json"
+    truncated.write_bytes(b"\n".join([lines[0][:-1], lines[1], lines[2]]))
+    with caplog.at_level(logging.WARNING, logger="qerl.data"):
+        assert [e.answer for e in load_examples(str(latin_lines))] == ["72", "1080"]
+        assert [e.answer for e in load_examples(str(truncated))] == ["1080", "-3"]
+    assert f"{latin_lines}:2: invalid UTF-8" in caplog.text and f"{truncated}:1: invalid JSON" in caplog.text
+    single = tmp_path / "single.json"
+    single.write_text(json.dumps(GSM8K_ROWS[2]) + "\n")
+    assert [e.answer for e in load_examples(str(single))] == ["-3"]
+    wrapped = tmp_path / "wrapped.json"  # a row list beside metadata, and a row with a list field
+    wrapped.write_text(json.dumps({"version": "1", "data": GSM8K_ROWS[:2]}))
+    assert [e.answer for e in load_examples(str(wrapped))] == ["72", "1080"]
+    single.write_text(json.dumps({**GSM8K_ROWS[2], "tags": ["a", "b"]}))
+    assert [e.answer for e in load_examples(str(single))] == ["-3"]
+    pretty = tmp_path / "pretty.json"  # a broken pretty-printed document keeps its own error
+    pretty.write_text(json.dumps(GSM8K_ROWS, indent=2)[:-1])
+    with pytest.raises(ValueError, match=f"{pretty}: not valid JSON"):
+        load_examples(str(pretty))
+
+
+def test_a_byte_order_mark_inside_joined_files_is_dropped(tmp_path):
+    """Files saved with a BOM and joined with ``cat`` carry it at the start of a later line."""
+    path = tmp_path / "cat.jsonl"
+    path.write_text("".join("\ufeff" + json.dumps(r) + "\n" for r in GSM8K_ROWS[:2]), encoding="utf-8")
+    ex = load_examples(str(path))
+    assert [e.answer for e in ex] == ["72", "1080"] and ex.num_skipped == 0
+
+
 def test_short_answer_sets_and_byte_order_marks_load(tmp_path):
     """AMC / AIME style rows (``question`` + a short, often numeric ``answer``) auto-detect; a file
     saved with a UTF-8 byte-order mark keeps its first row."""
