@@ -24,6 +24,11 @@ _LONE_VALUE_RE = re.compile(_SIGN_AND_DOLLAR + r"(?:\d[\d,]*(?:\.\d+)?|\.\d+|\\[
 _ANSWER_IS_RE = re.compile(r"answer\s*(?:is|:)\s*:?\s*([^\n]*)", re.IGNORECASE)
 _PLAIN_NUMBER_RE = re.compile(r"-?\d{1,3}(?:,\d{3})+(?:\.\d+)?")
 _NUMBER_RE = re.compile(r"-?\d[\d,]*(?:\.\d+)?|-?\.\d+")
+# Minus signs other than ASCII '-' (math-verify and the regexes above read `−5` as 5 outside LaTeX):
+# the maths minus U+2212 and the small / fullwidth hyphen-minus anywhere; the figure, en and em dashes
+# and the horizontal bar only as a sign -- before a digit and not after a letter, digit, bracket or
+# point, where `3–5` is a range and `answer—5` punctuation.
+_MINUS_RE = re.compile("[\u2212\ufe63\uff0d]|(?<![\\w)\\]}.,])[\u2012-\u2015](?=\\d)")
 
 
 def _boxed_spans(text: str) -> list[tuple[int, int]]:
@@ -109,6 +114,11 @@ def hash_answer(text: str) -> str | None:
     return None
 
 
+def normalize_minus(text: str) -> str:
+    """``text`` with Unicode minus signs written as ``-`` (``#### −5`` → ``#### -5``; see `_MINUS_RE`)."""
+    return _MINUS_RE.sub("-", text)
+
+
 def extract_gsm8k_gold(answer_field: str) -> str:
     """Gold answer of a GSM8K ``answer`` field: text after the last ``####``.
 
@@ -140,6 +150,7 @@ def extract_answer(completion: str) -> str | None:
     boxed = extract_boxed(completion)
     if boxed is not None:
         return boxed
+    completion = normalize_minus(completion)  # as MathAccuracy reads a completion without a box
     hashed = hash_answer(completion)
     if hashed and clean_short_answer(hashed):
         return clean_short_answer(hashed)

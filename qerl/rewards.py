@@ -21,7 +21,7 @@ order (see `MathAccuracy`): the last ``\\boxed{}``; without one, a GSM8K-style `
 then the tail of the whole completion.
 
 Safety: a reward is called on arbitrary model output, so no call may raise or hang.
-``MathAccuracy`` keeps only the tail of long completions, catches every exception (→ 0.0, with a
+``MathAccuracy`` parses at most ``max_chars`` of a completion, catches every exception (→ 0.0, with a
 rate-limited warning), and bounds each parse/verify with a wall-clock deadline (see `_deadline`).
 """
 
@@ -42,7 +42,8 @@ from typing import Any, TypeVar
 import math_verify
 from sympy import Basic, MatrixBase
 
-from qerl.answers import _boxed_spans, boxed_answers, extract_answer, extract_boxed, extract_gsm8k_gold, hash_answer  # noqa: F401
+from qerl.answers import (  # noqa: F401
+    _boxed_spans, boxed_answers, extract_answer, extract_boxed, extract_gsm8k_gold, hash_answer, normalize_minus)
 
 logger = logging.getLogger(__name__)
 _T = TypeVar("_T")
@@ -193,8 +194,9 @@ class MathAccuracy(RewardFunction):
     Args:
         boxed_only: If True, a completion without ``\\boxed{}`` scores 0 (no fallback parse).
         timeout_s: Wall-clock limit per completion for parse + verify (main thread only).
-        max_chars: Only the last ``max_chars`` characters are parsed; answers sit at the end,
-            and math-verify's regexes and LaTeX parser can be slow on very long text.
+        max_chars: The most characters math-verify parses (its regexes and LaTeX parser can be slow
+            on very long text): the box's content (a longer box scores 0) or, without a box, the
+            completion's last ``max_chars`` characters. The box itself is found in the whole text.
     """
 
     name = "accuracy"
@@ -225,18 +227,24 @@ class MathAccuracy(RewardFunction):
         """Score one completion; never raises (errors and timeouts give 0.0)."""
         if not isinstance(completion, str) or not isinstance(gold, str) or not gold.strip():
             return 0.0
-        text = completion[-self.max_chars :] if self.max_chars > 0 else completion
         # Replace rather than add, in the box, an unboxed answer and the gold alike: math-verify 0.9
         # reads `5\,000` as 5*0 = 0 and `5\,001` as 6.
-        text, gold = _DIGIT_SEP_RE.sub("", text), _SPACE_SEP_RE.sub("", _DIGIT_SEP_RE.sub("", gold))
+        text, gold = _DIGIT_SEP_RE.sub("", completion), _SPACE_SEP_RE.sub("", _DIGIT_SEP_RE.sub("", gold))
+        # The last box of the whole completion (linear time), as FormatReward and extract_answer read it:
+        # a right box then a long ramble is right; a wrong one is not rescued by a later bare number.
+        # Only what math-verify parses is capped (`limit`: the box, or the tail without one).
+        limit = self.max_chars if self.max_chars > 0 else len(text)
         boxed = extract_boxed(text)
         if boxed is None and self.boxed_only:
             return 0.0
         if boxed is not None:  # a plain space as the separator, only in the answer itself (`\boxed{12 345}`)
             boxed = _SPACE_SEP_RE.sub("", boxed)
+            if len(boxed) > limit:  # no answer is that long, and parsing it is what the cap prevents
+                return 0.0
         # Re-box the extracted content so math-verify sees exactly the last box (its boxed regex
-        # is brace-balanced) rather than whatever else the completion contains.
-        pred_text = "\\boxed{" + boxed + "}" if boxed is not None else text
+        # is brace-balanced) rather than whatever else the completion contains. Without a box, the
+        # tail (answers sit at the end), with `−5` read as -5 as it is inside LaTeX.
+        pred_text = "\\boxed{" + boxed + "}" if boxed is not None else normalize_minus(text[-limit:])
 
         # a gold with unit words (`5 dollars`, `\text{5 cm}`: custom sets) is its number, as a
         # prediction's box is; math-verify alone reads `5 dollars` as 5*a*do*l*l*r*s
@@ -255,6 +263,8 @@ class MathAccuracy(RewardFunction):
             if len(boxes) < 2 or not _is_multi_valued(gold_text):
                 return False
             joined = ", ".join(boxes)
+            if len(joined) > limit:
+                return False
             return bool(math_verify.verify(gold_parsed, _parse_pred("\\boxed{" + joined + "}", joined),
                                            timeout_seconds=None))
 

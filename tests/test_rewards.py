@@ -294,6 +294,41 @@ def test_accuracy_headings_multi_boxes_unfinished_boxes(acc: MathAccuracy, compl
     assert acc([completion], [gold]) == [expected]
 
 
+def test_the_last_box_counts_wherever_it_is(acc: MathAccuracy) -> None:
+    """The box is found in the whole completion (only what math-verify parses is capped at max_chars):
+    a right box then 10,500 characters of rambling is right; a wrong box is not rescued by a later bare
+    number. FormatReward and extract_answer read the same box."""
+    ramble = " and so on" * 1_050
+    right_then_ramble = r"So the answer is $\boxed{18}$." + ramble
+    wrong_then_number = r"So $\boxed{17}$." + ramble + " Actually it is 18"
+    assert acc([right_then_ramble, wrong_then_number], ["18", "18"]) == [1.0, 0.0]
+    assert FormatReward()([right_then_ramble, wrong_then_number], ["18"] * 2) == [1.0, 1.0]
+    assert [extract_answer(right_then_ramble), extract_answer(wrong_then_number)] == ["18", "17"]
+    assert acc(["x " * 6_000 + "#### 18"], ["18"]) == [1.0]  # without a box: the tail
+    assert MathAccuracy(max_chars=20)([r"\boxed{" + "1+" * 20 + "0}"], ["20"]) == [0.0]  # an over-long box
+
+
+@pytest.mark.parametrize(
+    "completion,gold,expected",
+    [
+        ("work\n#### \u22125", "-5", 1.0),  # U+2212 MINUS SIGN, read as LaTeX's `\boxed{−5}` already is
+        ("The answer is \u22125.", "-5", 1.0),
+        ("#### \uff0d5", "-5", 1.0),  # fullwidth hyphen-minus
+        ("#### \u20135", "-5", 1.0),  # an en dash as a sign ...
+        ("pages 12\u20135", "-5", 0.0),  # ... but not between numbers (a range)
+        ("work\n#### \u22125", "5", 0.0),
+    ],
+)
+def test_unicode_minus_without_a_box(acc: MathAccuracy, completion: str, gold: str, expected: float) -> None:
+    assert acc([completion], [gold]) == [expected]
+
+
+@pytest.mark.parametrize("text,expected", [("#### \u22125", "-5"), ("so x = \u22123.5", "-3.5"),
+                                           ("The answer is \uff0d2", "-2"), ("pages 3\u20135", "5")])
+def test_extract_answer_reads_unicode_minus(text: str, expected: str) -> None:
+    assert extract_answer(text) == expected
+
+
 def test_accuracy_batch_and_components(acc: MathAccuracy) -> None:
     out = acc([r"\boxed{3}", r"\boxed{4}", r"\boxed{3}"], ["3", "3", "3"])
     assert out == [1.0, 0.0, 1.0]
