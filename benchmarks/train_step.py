@@ -2,7 +2,7 @@
 
     python benchmarks/train_step.py [--shape 7b|0.5b|tiny] [--arms bf16,nf4,nvfp4] [--batch 8] [--seq 512]
         [--gen-batch 8] [--gen-prompt 128] [--gen-new 128] [--lora-compute model,stored] [--profile]
-        [--host-profile] [--fused-ops off|on|off,on] [--skip-gen] [--out PATH]
+        [--host-profile] [--fused-ops off|on|off,on] [--fused-projections off|on|off,on] [--rounds N] [--skip-gen] [--out PATH]
 
 A Qwen2.5-7B-shaped model with random weights (std 0.02, as ``benchmarks/rollout_hf.py``), LoRA r32
 on every decoder linear (non-zero B), gradient checkpointing as in the 7B recipes. Per arm, in one
@@ -24,7 +24,10 @@ bf16 matmuls on casts of the fp32 adapter, ``qerl.lora_forward``), ``stored`` (p
 rows get ``vs_bf16`` (against bf16 with the same LoRA arithmetic) and ``vs_stored``. ``--profile``:
 also the CUDA kernel time of one update per category (``torch.profiler``; rows' ``profile``).
 ``--fused-ops off,on``: each arm's update without and with ``qerl.fused_ops`` on the same model
-(rows' ``fused_ops``, ``vs_unfused``). ``--host-profile``: the Python functions that take the
+(rows' ``fused_ops``, ``vs_unfused``); ``--fused-projections off,on`` the same for
+``qerl.rollout.fast_linears.fused_base_projections`` (rows' ``fused_projections``, ``vs_unfused_projections``).
+``--rounds N``: the settings of one arm timed N times in turn (every other round reversed), the
+median per setting (rows' ``round_step_s``: each round's time). ``--host-profile``: the Python functions that take the
 host's time in one update (cProfile; rows' ``host_profile``). ``--skip-gen``: no generation (``gen_tok_s`` null). ``--shape 0.5b``: Qwen2.5-0.5B,
 the testbed recipes' model.
 
@@ -47,6 +50,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from qerl.losses import selective_log_softmax  # noqa: E402
 from qerl.model import base_weight_bytes  # noqa: E402
 from qerl.rollout import SamplingSettings  # noqa: E402
+from qerl.rollout.fast_linears import fused_base_projections  # noqa: E402
 from qerl.rollout.hf import HFEngine  # noqa: E402
 from rollout_hf import SHAPES, build as build_random  # noqa: E402
 
@@ -66,16 +70,23 @@ def sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def lora_update(model, vocab: int, batch: int, seq: int, device: str, fused: bool = False):
+def lora_update(model, vocab: int, batch: int, seq: int, device: str, fused: bool = False,
+                projections: bool = False):
     """One LoRA update on ``batch x seq`` seeded tokens (a fresh AdamW), as a callable; ``fused``:
-    forward and backward inside ``qerl.fused_ops.fused_ops`` (as ``QeRLModule(fused_ops: true)``)."""
+    forward and backward inside ``qerl.fused_ops.fused_ops`` (as ``QeRLModule(fused_ops: true)``);
+    ``projections``: inside ``qerl.rollout.fast_linears.fused_base_projections``."""
     model.train()
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-5)
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(1, vocab, (batch, seq), generator=g).to(device)              # (B, T)
-    if fused:
-        from qerl.fused_ops import fused_ops
-    block = (lambda: fused_ops(model)) if fused else contextlib.nullcontext
+    def block():
+        stack = contextlib.ExitStack()
+        if fused:
+            from qerl.fused_ops import fused_ops
+            stack.enter_context(fused_ops(model))
+        if projections:
+            stack.enter_context(fused_base_projections(model))
+        return stack
 
     def step():
         with block():
@@ -88,12 +99,12 @@ def lora_update(model, vocab: int, batch: int, seq: int, device: str, fused: boo
 
 
 def train_steps(model, vocab: int, batch: int, seq: int, device: str, fused: bool = False,
-                steps: int = 3) -> tuple[float, float, float]:
+                projections: bool = False, steps: int = 3) -> tuple[float, float, float]:
     """(median seconds per update, median seconds the host took to enqueue it, peak GB allocated).
 
     The host time is measured before the closing synchronize: when it is close to the update's
     time, Python (not the GPU) sets the pace."""
-    step = lora_update(model, vocab, batch, seq, device, fused)
+    step = lora_update(model, vocab, batch, seq, device, fused, projections)
     step()                                                                              # warm-up (tuning, compile)
     sync(device)
     if device == "cuda":
@@ -120,11 +131,12 @@ TRAIN_CATEGORIES = [  # first match wins; kernel names of torch 2.11 / Triton 3.
 ]
 
 
-def profile_step(model, vocab: int, batch: int, seq: int, device: str, fused: bool = False) -> list[dict]:
+def profile_step(model, vocab: int, batch: int, seq: int, device: str, fused: bool = False,
+                 projections: bool = False) -> list[dict]:
     """CUDA kernel time of one update (after ``train_steps``' warm-up) per category, ms."""
     from torch.profiler import ProfilerActivity, profile
 
-    update = lora_update(model, vocab, batch, seq, device, fused)
+    update = lora_update(model, vocab, batch, seq, device, fused, projections)
     update()                                                                            # AdamW state, allocations
     sync(device)
     activities = [ProfilerActivity.CUDA] if device == "cuda" else [ProfilerActivity.CPU]
@@ -144,12 +156,12 @@ def profile_step(model, vocab: int, batch: int, seq: int, device: str, fused: bo
 
 
 def host_profile_step(model, vocab: int, batch: int, seq: int, device: str, fused: bool = False,
-                      top: int = 15) -> list[dict]:
+                      projections: bool = False, top: int = 15) -> list[dict]:
     """The Python functions that take the host's time in one update (cProfile, own time), ms."""
     import cProfile
     import pstats
 
-    update = lora_update(model, vocab, batch, seq, device, fused)
+    update = lora_update(model, vocab, batch, seq, device, fused, projections)
     update()
     sync(device)
     prof = cProfile.Profile()
@@ -196,12 +208,18 @@ def main():
     ap.add_argument("--host-profile", action="store_true", help="also: the host's Python time of one update by function (cProfile)")
     ap.add_argument("--fused-ops", default="off", help="off, on or off,on: the update inside qerl.fused_ops "
                     "(Triton RMSNorm / rotary / SiLU-mul, forward and backward; CUDA only: a no-op on CPU)")
+    ap.add_argument("--fused-projections", default="off", help="off, on or off,on: the update inside "
+                    "qerl.rollout.fast_linears.fused_base_projections (q/k/v and gate/up bases as one linear each)")
+    ap.add_argument("--rounds", type=int, default=1, help="time the fused settings this many times, interleaved "
+                    "(every other round in reverse order); rows take the median (host-bound updates drift by 10-30%% "
+                    "within a process)")
     ap.add_argument("--skip-gen", action="store_true", help="no generation throughput (gen_tok_s null)")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)),
                                                   "results", "train_step_h200.json"))
     args = ap.parse_args()
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    fused_settings = [{"off": False, "on": True}[v] for v in args.fused_ops.split(",")]
+    on_off = lambda v: [{"off": False, "on": True}[s] for s in v.split(",")]  # noqa: E731
+    fused_settings = [(f, p) for f in on_off(args.fused_ops) for p in on_off(args.fused_projections)]
     rows = []
     for arm, lora_compute in [(a, c) for c in args.lora_compute.split(",") for a in args.arms.split(",")]:
         try:
@@ -212,40 +230,48 @@ def main():
         nbytes = base_weight_bytes(model)
         weights, linears = nbytes["total"] / GB, nbytes["decoder_linears"] / GB
         tok_s = None
-        for fused in fused_settings:             # one model, the update with and without the fused ops
-            step_s, host_s, peak = train_steps(model, vocab, args.batch, args.seq, device, fused)
+        timed = {setting: [] for setting in fused_settings}
+        for r in range(args.rounds):             # one model, the settings interleaved, every other round reversed
+            for setting in (fused_settings if r % 2 == 0 else fused_settings[::-1]):
+                timed[setting].append(train_steps(model, vocab, args.batch, args.seq, device, *setting))
+        for fused, proj in fused_settings:       # the update with and without the fused ops / projections
+            runs = timed[(fused, proj)]
+            step_s, host_s = (statistics.median(r[i] for r in runs) for i in (0, 1))
+            peak = max(r[2] for r in runs)
             if tok_s is None and not args.skip_gen:
                 tok_s = gen_tok_s(model, vocab, args.gen_batch, args.gen_prompt, args.gen_new, device)
-            row = dict(arm=arm, lora_compute=lora_compute, fused_ops=fused, weights_gb=weights, decoder_linears_gb=linears,
-                       train_step_s=step_s, train_host_s=host_s, train_peak_gb=peak, gen_tok_s=tok_s)
+            row = dict(arm=arm, lora_compute=lora_compute, fused_ops=fused, fused_projections=proj, weights_gb=weights, decoder_linears_gb=linears,
+                       train_step_s=step_s, train_host_s=host_s, train_peak_gb=peak, gen_tok_s=tok_s,
+                       round_step_s=[r[0] for r in runs])
             rows.append(row)
             if args.profile:
-                row["profile"] = profile_step(model, vocab, args.batch, args.seq, device, fused)
+                row["profile"] = profile_step(model, vocab, args.batch, args.seq, device, fused, proj)
                 print(f"    kernels in all {sum(r['ms'] for r in row['profile']):8.2f} ms per update")
                 for r in row["profile"]:
                     print(f"    {r['category']:38s} {r['ms']:8.2f} ms   e.g. {r['top_kernels'][0]['name'][:70]} x{r['top_kernels'][0]['calls']}")
             if args.host_profile:
-                row["host_profile"] = host_profile_step(model, vocab, args.batch, args.seq, device, fused)
+                row["host_profile"] = host_profile_step(model, vocab, args.batch, args.seq, device, fused, proj)
                 for r in row["host_profile"]:
                     print(f"    host {r['own_ms']:8.2f} ms own {r['cum_ms']:8.2f} ms cum x{r['calls']:<6d} {r['function'][:80]}")
-            print(f"{arm:6s} lora {lora_compute:6s} fused {str(fused):5s} weights {weights:6.2f} GB  update {step_s:7.3f} s "
+            print(f"{arm:6s} lora {lora_compute:6s} fused {str(fused):5s} proj {str(proj):5s} weights {weights:6.2f} GB  update {step_s:7.3f} s "
                   f"(host {host_s:7.3f} s)  peak {peak:6.2f} GB  generate {tok_s or float('nan'):8.1f} tok/s", flush=True)
         del model
         if device == "cuda":
             torch.cuda.empty_cache()
     keys = ("weights_gb", "train_step_s", "train_host_s", "train_peak_gb", "gen_tok_s")
     for r in rows:   # each arm against bf16 with the same LoRA arithmetic and fused ops; model vs stored; fused vs not
-        same = lambda b, **kw: all(b[k] == kw.get(k, r[k]) for k in ("arm", "lora_compute", "fused_ops"))  # noqa: E731
+        same = lambda b, **kw: all(b[k] == kw.get(k, r[k]) for k in ("arm", "lora_compute", "fused_ops", "fused_projections"))  # noqa: E731
         refs = {"vs_bf16": next((b for b in rows if same(b, arm="bf16")), None),
                 "vs_stored": next((b for b in rows if same(b, lora_compute="stored")), None),
-                "vs_unfused": next((b for b in rows if same(b, fused_ops=False)), None)}
+                "vs_unfused": next((b for b in rows if same(b, fused_ops=False)), None),
+                "vs_unfused_projections": next((b for b in rows if same(b, fused_projections=False)), None)}
         for name, ref in refs.items():
             if ref is not None:
                 r[name] = {k: r[k] / ref[k] for k in keys if r[k] is not None and ref[k]}
-                print(f"{r['arm']} lora {r['lora_compute']} fused {r['fused_ops']} {name}: "
+                print(f"{r['arm']} lora {r['lora_compute']} fused {r['fused_ops']} proj {r['fused_projections']} {name}: "
                       + ", ".join(f"{k} {v:.2f}" for k, v in r[name].items()))
     meta = {"device": torch.cuda.get_device_name() if device == "cuda" else "cpu", "torch": torch.__version__,
-            "shape": args.shape, "lora_rank": 32, "batch": args.batch, "seq": args.seq, "gradient_checkpointing": True,
+            "shape": args.shape, "rounds": args.rounds, "command": " ".join(["python"] + sys.argv), "lora_rank": 32, "batch": args.batch, "seq": args.seq, "gradient_checkpointing": True,
             "gen": {"batch": args.gen_batch, "prompt": args.gen_prompt, "new": args.gen_new}}
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
     with open(args.out, "w") as f:

@@ -42,6 +42,7 @@ from lightning_modules.settings import LossSettings, OptimizerSettings  # noqa: 
 from lightning_modules.evaluation import EvalSettings, EvaluationMixin, claim_unused_path  # noqa: F401  (EvalSettings: the CLI's model.eval)
 from qerl.model import LoraSettings, base_model_only, load_policy, load_tokenizer
 from qerl.rollout import Rollout
+from qerl.rollout.fast_linears import fused_base_projections
 from qerl.seeding import resolve_seed
 
 log = logging.getLogger(__name__)
@@ -73,7 +74,8 @@ class QeRLModule(ResumeMixin, EvaluationMixin, L.LightningModule):
         gradient_checkpointing: recompute activations in backward (long completions on big models).
         fused_ops: on CUDA, the training passes run RMSNorm (AQN noise included), the rotary embedding
             and SiLU(gate) * up as one Triton kernel each, forward and backward (``qerl.fused_ops``, as
-            the embedded engine generates); false: transformers' eager ops.
+            the embedded engine generates), and the NVFP4 q/k/v and gate/up bases as one linear each
+            (``qerl.rollout.fast_linears.fused_base_projections``); false: transformers' eager ops.
         seed: seeds the tiny model's random init (real models ignore it); null: ``seed_everything``.
         warn_after_steps: warn when reward std is 0 or >= 90% of completions are truncated this many rollout
             batches in a row.
@@ -226,12 +228,16 @@ class QeRLModule(ResumeMixin, EvaluationMixin, L.LightningModule):
 
     # ---------------------------------------------------------------- the step
     def _fused_ops(self):
-        """``qerl.fused_ops`` on CUDA when enabled (forward, checkpoint recompute and backward inside)."""
+        """``qerl.fused_ops`` and ``fused_base_projections`` on CUDA when enabled (forward, checkpoint
+        recompute and backward inside)."""
         if not (self.fused_ops and self.device.type == "cuda"):
             return contextlib.nullcontext()
         from qerl.fused_ops import fused_ops  # Triton: imported only where it runs
 
-        return fused_ops(self.model)
+        stack = contextlib.ExitStack()
+        stack.enter_context(fused_ops(self.model))
+        stack.enter_context(fused_base_projections(self.model))
+        return stack
 
     def training_step(self, batch: dict, batch_idx: int):
         with self._fused_ops():
