@@ -15,7 +15,7 @@ import torch
 import torch.nn as nn
 from safetensors.torch import load_file, save_file
 
-from qerl.model import LoraSettings, lora_config
+from qerl.model import LoraSettings, hold_norm_in_fp32, lora_config
 
 TRAINABLE_NORMS_FILE = "trainable_norms.safetensors"
 # The base an adapter was trained on, as qerl built it (a tiny model's weights are its seed's, its
@@ -298,13 +298,22 @@ def _check_adapter_config(peft_model: nn.Module, adapter_dir: Path) -> None:
 
 
 def _load_trainable_norms(peft_model: nn.Module, adapter_dir: str | Path) -> None:
+    """The adapter's trained norm scales, held as the policy holds them (fp32 masters, trainable:
+    :func:`qerl.model.hold_norm_in_fp32`). Copied into a 16-bit base's norms instead, the fp32 values
+    would round back to the untrained ones (a few lr-1e-5 steps move a scale by far less than bf16's
+    2^-7 spacing near 1), and a re-export or ``--dtype fp32`` export would write those."""
     norms_file = Path(adapter_dir) / TRAINABLE_NORMS_FILE
     if not norms_file.exists():
         return
     norms = load_file(str(norms_file))
     base = peft_model.get_base_model()
-    unexpected = base.load_state_dict(norms, strict=False).unexpected_keys
+    params = dict(base.named_parameters())
+    unexpected = [name for name in norms if name not in params]
     if unexpected:
         raise ValueError(f"{norms_file} has tensors the model lacks: {unexpected[:5]}")
-    for name in norms:
-        base.get_parameter(name).requires_grad_(True)
+    for name, value in norms.items():
+        if value.shape != params[name].shape:
+            raise ValueError(f"{norms_file}: {name} has shape {list(value.shape)}, the model's "
+                             f"{list(params[name].shape)}: it was trained on another base model")
+    for name, value in norms.items():
+        hold_norm_in_fp32(base, name, value)

@@ -394,16 +394,31 @@ def add_lora(model: PreTrainedModel, settings: LoraSettings) -> nn.Module:
         compute_in_activation_dtype(peft_model)
     if settings.trainable_norms:
         base = {}
-        for name, p in peft_model.named_parameters():
+        for name, p in list(peft_model.named_parameters()):
             if name.rsplit(".", 2)[-2] in NOISY_NORM_NAMES:
                 base[name] = p.detach().clone()  # for the base-model passes (see base_model_only)
-                # fp32 master weights: an AdamW step at lr 1e-5 is far below bf16's spacing near 1
-                # (2^-7) and would round away every update; the norm's output keeps the input dtype
-                p.data = p.data.float()
-                p.requires_grad_(True)
-                peft_model.get_submodule(name.rsplit(".", 1)[0]).register_forward_hook(_output_in_input_dtype)
+                hold_norm_in_fp32(peft_model, name)
         peft_model.qerl_base_norms = base  # a plain attribute: never in a state_dict or checkpoint
     return peft_model
+
+
+def hold_norm_in_fp32(model: nn.Module, name: str, value: torch.Tensor | None = None) -> nn.Parameter:
+    """Make the norm scale ``name`` of ``model`` a trainable fp32 master weight holding ``value`` (default:
+    its own values), the norm's output kept in its input's dtype. The trained policy holds its norms so
+    (:func:`add_lora`), and a base that loads trained norms must too: an AdamW step at lr 1e-5 is far
+    below bf16's spacing near 1 (2^-7), and the fp32 values rounded to a bf16 base's are the untrained ones."""
+    module_name, _, leaf = name.rpartition(".")
+    module = model.get_submodule(module_name)
+    p = getattr(module, leaf)
+    if value is not None and p.dtype == torch.float32:
+        with torch.no_grad():  # already a master (the policy's): in place, its storage as it was
+            p.copy_(value)
+    else:  # the same Parameter object, its data in fp32
+        p.data = (p.data if value is None else value).to(p.device, torch.float32)
+    p.requires_grad_(True)
+    if _output_in_input_dtype not in module._forward_hooks.values():  # (once, also when loaded twice)
+        module.register_forward_hook(_output_in_input_dtype)
+    return p
 
 
 def _output_in_input_dtype(module: nn.Module, args: tuple, output):

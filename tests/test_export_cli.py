@@ -1,0 +1,56 @@
+"""The export CLI around the adapter it loads and the folder it writes: trained fp32 norms survive a
+16-bit base, unreadable adapters and odd --out paths are one-line errors, and a tokenizer's extra
+files do not block the next --overwrite. (The formats themselves: test_export.py.)"""
+
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from qerl.export import ADAPTER_SUBDIR, TRAINABLE_NORMS_FILE, export_adapter, load_adapter, main
+from qerl.lora_forward import compute_in_activation_dtype
+from qerl.model import LoraSettings, load_policy
+
+SEED = 1
+BASE = {"model": "tiny-qwen2", "dtype": "bf16", "seed": SEED, "quantization": "nvfp4"}
+
+
+def _ids(seed=0, shape=(2, 12)):
+    return torch.randint(4, 100, shape, generator=torch.Generator().manual_seed(seed))
+
+
+def _bf16_run_adapter(out: Path) -> tuple[torch.nn.Module, Path]:
+    """(policy, its adapter dir) of a bf16 NVFP4 run whose fp32 norm masters moved by 1e-3, as a few
+    AdamW steps at lr ~1e-5..1e-4 move them: far below bf16's spacing near 1 (2^-7)."""
+    policy, _ = load_policy("tiny-qwen2", "nvfp4", LoraSettings(rank=4, alpha=8, trainable_norms=True),
+                            dtype="bf16", seed=SEED)
+    gen = torch.Generator().manual_seed(7)
+    with torch.no_grad():
+        for name, p in policy.named_parameters():
+            if "lora_B" in name:
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.05)
+            elif p.requires_grad and "lora_" not in name:
+                p.add_(1e-3)
+    return policy, export_adapter(policy, out, base=BASE)
+
+
+def test_trained_fp32_norms_survive_a_bf16_base(tmp_path):
+    """The CLI loads the adapter onto a fresh bf16 base: its norms must stay the fp32 values trained,
+    in the re-exported adapter, in a --dtype fp32 dense export and in the served model's logits."""
+    policy, adapter = _bf16_run_adapter(tmp_path / "adapter")
+    src = load_file(adapter / TRAINABLE_NORMS_FILE)
+    assert src and all(t.dtype == torch.float32 for t in src.values())
+    out = main(["--model", "tiny-qwen2", "--adapter", str(adapter), "--out", str(tmp_path / "nvfp4")])
+    again = load_file(out / ADAPTER_SUBDIR / TRAINABLE_NORMS_FILE)
+    assert again.keys() == src.keys() and all(torch.equal(again[k], src[k]) for k in src)
+    dense = main(["--model", "tiny-qwen2", "--format", "bf16", "--from-trained-base", "--dtype", "fp32",
+                  "--adapter", str(adapter), "--out", str(tmp_path / "fp32")])
+    weights = load_file(dense / "model.safetensors")
+    assert all(torch.equal(weights[k], src[k]) for k in src)
+    # served on the bf16 base as the trainer computed: the same logits, not those of rounded norms
+    served = load_adapter(load_policy("tiny-qwen2", "nvfp4", None, dtype="bf16", seed=SEED)[0], adapter)
+    compute_in_activation_dtype(served)
+    with torch.no_grad():
+        logits = served(_ids()).logits
+        assert logits.dtype == torch.bfloat16 and torch.equal(logits, policy(_ids()).logits)
