@@ -276,10 +276,13 @@ _EXPORT_FILE = re.compile(
     r"|tokenizer(_config)?\.json|tokenizer\.model|special_tokens_map\.json|vocab\.json|merges\.txt"
     r"|added_tokens\.json|chat_template\.jinja|adapter_config\.json|adapter_model\.safetensors"
     rf"|{re.escape(TRAINABLE_NORMS_FILE)}|{re.escape(BASE_FILE)}|README\.md")
+# ... and its folders: the adapter, and the named chat templates transformers 5 writes beside a
+# tokenizer that has several (``additional_chat_templates/<name>.jinja``)
+_EXPORT_DIRS = (ADAPTER_SUBDIR, "additional_chat_templates")
 
 
 def _written_by_export(path: Path) -> bool:
-    return (path.is_dir() and path.name == ADAPTER_SUBDIR) or (path.is_file() and bool(_EXPORT_FILE.fullmatch(path.name)))
+    return (path.is_dir() and path.name in _EXPORT_DIRS) or (path.is_file() and bool(_EXPORT_FILE.fullmatch(path.name)))
 
 
 def _clear_earlier_export(out: Path) -> None:

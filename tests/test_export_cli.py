@@ -54,3 +54,22 @@ def test_trained_fp32_norms_survive_a_bf16_base(tmp_path):
     with torch.no_grad():
         logits = served(_ids()).logits
         assert logits.dtype == torch.bfloat16 and torch.equal(logits, policy(_ids()).logits)
+
+
+def test_overwrite_replaces_the_named_chat_templates_an_export_wrote(tmp_path):
+    """transformers 5 saves a tokenizer with named chat templates as chat_template.jinja plus
+    additional_chat_templates/<name>.jinja: the export's own folder, which the next --overwrite replaces."""
+    from qerl.tiny import CHATML_TEMPLATE, build_tiny_model, build_tiny_tokenizer
+
+    src = tmp_path / "src"
+    build_tiny_model("qwen2", seed=SEED, dtype=torch.bfloat16).save_pretrained(src)
+    tokenizer = build_tiny_tokenizer()
+    tokenizer.chat_template = {"default": CHATML_TEMPLATE, "tool_use": CHATML_TEMPLATE + "{# tools #}"}
+    tokenizer.save_pretrained(src)
+    assert (src / "additional_chat_templates").is_dir()
+    argv = ["--model", str(src), "--format", "bf16", "--out", str(tmp_path / "out"), "--overwrite"]
+    main(argv)
+    assert (tmp_path / "out" / "additional_chat_templates" / "tool_use.jinja").is_file()
+    main(argv)  # (refused before as "files no export writes (additional_chat_templates)")
+    assert (tmp_path / "out" / "additional_chat_templates" / "tool_use.jinja").is_file()
+
