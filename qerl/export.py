@@ -253,7 +253,9 @@ def _check_paths(parser: argparse.ArgumentParser, args: argparse.Namespace) -> N
     model_path = Path(args.model).expanduser() if args.model else None
     if model_path is not None and model_path.exists() and model_path.resolve() in (out, *out.parents):
         parser.error(f"--out {args.out} would overwrite the model being exported ({args.model})")
-    if out.is_file() or (out.is_dir() and any(out.iterdir()) and not args.overwrite):
+    if out.is_file():  # (--overwrite replaces an earlier export folder, never a file)
+        parser.error(f"--out {args.out} is a file: give a folder (new, empty, or an earlier export with --overwrite)")
+    if out.is_dir() and any(out.iterdir()) and not args.overwrite:
         parser.error(f"--out {args.out} exists and is not empty (pass --overwrite to replace an earlier export)")
     foreign = sorted(p.name for p in out.iterdir() if not _written_by_export(p)) if out.is_dir() else []
     if foreign:  # (a run's log folder, say: its adapter/ would go with the export's)

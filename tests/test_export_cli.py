@@ -73,3 +73,13 @@ def test_overwrite_replaces_the_named_chat_templates_an_export_wrote(tmp_path):
     main(argv)  # (refused before as "files no export writes (additional_chat_templates)")
     assert (tmp_path / "out" / "additional_chat_templates" / "tool_use.jinja").is_file()
 
+
+@pytest.mark.parametrize("overwrite", [False, True])
+def test_out_that_is_a_file_has_its_own_message(tmp_path, capsys, overwrite):
+    """--overwrite replaces an earlier export folder, never a file: the error must not suggest it."""
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(SystemExit):
+        main(["--model", "tiny-qwen2", "--out", str(tmp_path / "file"), *(["--overwrite"] if overwrite else [])])
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert f"--out {tmp_path / 'file'} is a file: give a folder" in last and "not empty" not in last
+    assert (tmp_path / "file").read_text() == "x"
