@@ -9,10 +9,12 @@ to the HF names the base checkpoints and vLLM use (:func:`hf_name`).
 from __future__ import annotations
 
 import json
+import pickle
 from pathlib import Path
 
 import torch
 import torch.nn as nn
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from qerl.model import LoraSettings, hold_norm_in_fp32, lora_config
@@ -24,6 +26,12 @@ TRAINABLE_NORMS_FILE = "trainable_norms.safetensors"
 BASE_FILE = "qerl_base.json"
 BASE_KEYS = ("model", "dtype", "seed", "quantization")
 _PEFT_PREFIX = "base_model.model."
+# The LoRA tensors beside adapter_config.json, in the order peft looks for them; without either, peft
+# takes the folder for a Hugging Face hub id (a network error, or "Repo id must be in the form ...").
+ADAPTER_WEIGHT_FILES = ("adapter_model.safetensors", "adapter_model.bin")
+# What reading a corrupt or truncated adapter file raises (torch.load of a broken .bin: RuntimeError,
+# EOFError or UnpicklingError): made a one-line ValueError naming the file (_unreadable).
+_READ_ERRORS = (OSError, SafetensorError, RuntimeError, EOFError, pickle.UnpicklingError)
 
 
 def _is_peft(model: nn.Module) -> bool:
@@ -198,14 +206,32 @@ def _check_lora_fits(model: nn.Module, saved: dict[str, torch.Tensor], name: str
                              "it was trained on another base model")
 
 
+def _unreadable(path: Path, err: Exception) -> ValueError:
+    """A one-line ValueError naming the adapter file that could not be read, and why."""
+    return ValueError(f"{path}: unreadable ({' '.join(str(err).split()) or type(err).__name__})")
+
+
+def _read_adapter_weights(adapter_dir: Path, device: str) -> dict[str, torch.Tensor]:
+    """peft's ``load_peft_weights`` of a local adapter directory (checked first, never a hub lookup), a
+    corrupt or truncated file a ValueError naming it."""
+    from peft.utils import load_peft_weights
+
+    check_adapter_dir(adapter_dir)
+    try:
+        return load_peft_weights(str(adapter_dir), device=device)
+    except _READ_ERRORS as err:
+        weights = next(adapter_dir / f for f in ADAPTER_WEIGHT_FILES if (adapter_dir / f).is_file())
+        raise _unreadable(weights, err) from err
+
+
 def load_adapter(model: nn.Module, adapter_dir: str | Path) -> nn.Module:
     """Inverse of :func:`export_adapter`: wrap ``model`` with the saved adapter and load the
     trainable norms (marked trainable again, so a re-export writes them too). An adapter whose
-    LoRA tensors do not fit ``model`` is a ValueError (:func:`_check_lora_fits`)."""
+    LoRA tensors do not fit ``model``, or a directory that is not a readable adapter, is a ValueError
+    (:func:`_check_lora_fits`, :func:`check_adapter_dir`)."""
     from peft import PeftModel
-    from peft.utils import load_peft_weights
 
-    _check_lora_fits(model, load_peft_weights(str(adapter_dir), device="cpu"))
+    _check_lora_fits(model, _read_adapter_weights(Path(adapter_dir), device="cpu"))
     peft_model = PeftModel.from_pretrained(model, str(adapter_dir))
     _load_trainable_norms(peft_model, adapter_dir)
     return peft_model
@@ -220,12 +246,11 @@ def load_adapter_into(peft_model: nn.Module, adapter_dir: str | Path) -> nn.Modu
     tensors, in its linears' shapes: otherwise a ValueError in one line, before anything is copied. A
     different alpha or a subset of the trained modules would otherwise load silently and give other logits."""
     from peft import get_peft_model_state_dict, set_peft_model_state_dict
-    from peft.utils import load_peft_weights
 
     adapter_dir = Path(adapter_dir)
     _check_adapter_config(peft_model, adapter_dir)
     device = str(next(peft_model.parameters()).device)
-    saved = load_peft_weights(str(adapter_dir), device=device)
+    saved = _read_adapter_weights(adapter_dir, device)
     expected = set(get_peft_model_state_dict(peft_model))  # same naming as the file (no adapter name)
     extra, missing = sorted(set(saved) - expected), sorted(expected - set(saved))
     if extra:
@@ -254,10 +279,14 @@ def _target_modules(value):
 
 
 def check_adapter_dir(adapter_dir: str | Path) -> None:
-    """A one-line ValueError unless ``adapter_dir`` is a peft adapter directory, with a hint for the
-    usual mix-ups: a Lightning ``.ckpt`` (that is ``--ckpt_path``) or a run folder holding ``adapter/``."""
+    """A one-line ValueError unless ``adapter_dir`` is a peft adapter directory (``adapter_config.json``
+    and the LoRA tensors beside it), with a hint for the usual mix-ups: a Lightning ``.ckpt`` (that is
+    ``--ckpt_path``) or a run folder holding ``adapter/``."""
     adapter_dir = Path(adapter_dir)
     if (adapter_dir / "adapter_config.json").is_file():
+        if not any((adapter_dir / name).is_file() for name in ADAPTER_WEIGHT_FILES):
+            raise ValueError(f"adapter {adapter_dir}: adapter_config.json but no {' or '.join(ADAPTER_WEIGHT_FILES)} "
+                             "beside it (copied in part, or a save that did not finish?)")
         return
     hint = "a peft adapter directory, as training writes to <log_dir>/adapter"
     if adapter_dir.is_file():
@@ -305,7 +334,10 @@ def _load_trainable_norms(peft_model: nn.Module, adapter_dir: str | Path) -> Non
     norms_file = Path(adapter_dir) / TRAINABLE_NORMS_FILE
     if not norms_file.exists():
         return
-    norms = load_file(str(norms_file))
+    try:
+        norms = load_file(str(norms_file))
+    except _READ_ERRORS as err:
+        raise _unreadable(norms_file, err) from err
     base = peft_model.get_base_model()
     params = dict(base.named_parameters())
     unexpected = [name for name in norms if name not in params]

@@ -33,13 +33,14 @@ from pathlib import Path
 
 import torch
 import torch.nn as nn
+from safetensors import SafetensorError
 from safetensors.torch import save_file
 from transformers import PreTrainedTokenizerBase
 
 from qerl.adapter import (  # noqa: F401  (the adapter half of the export, re-exported here)
     BASE_FILE, TRAINABLE_NORMS_FILE, _hf_model, _is_adapter, _is_peft, _load_checkpoint, adapter_from_checkpoint,
-    _write_base, checkpoint_base, export_adapter, hf_name, load_adapter, load_adapter_into, read_base,
-    same_model,
+    _write_base, check_adapter_dir, checkpoint_base, export_adapter, hf_name, load_adapter, load_adapter_into,
+    read_base, same_model,
 )
 from qerl.model import SHARED_SCALE_GROUPS, _parse_dtype, load_policy
 from qerl.nvfp4 import BLOCK_SIZE, NVFP4WeightTensor
@@ -261,8 +262,11 @@ def _check_paths(parser: argparse.ArgumentParser, args: argparse.Namespace) -> N
     if foreign:  # (a run's log folder, say: its adapter/ would go with the export's)
         parser.error(f"--out {args.out} holds files no export writes ({', '.join(foreign[:3])}"
                      f"{', ...' if len(foreign) > 3 else ''}): --overwrite replaces only an earlier export")
-    if args.adapter and not is_ckpt and not (Path(args.adapter) / "adapter_config.json").is_file():
-        parser.error(f"--adapter {args.adapter}: no adapter_config.json there (a peft adapter directory)")
+    if args.adapter and not is_ckpt:
+        try:  # (its config, and the LoRA tensors beside it: without them peft would look on the hub)
+            check_adapter_dir(args.adapter)
+        except ValueError as err:
+            parser.error(f"--{err}")  # "--adapter PATH: ..."
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         parser.error(f"--device {args.device}, but this machine has no CUDA device (torch {torch.__version__})")
     if args.from_trained_base and (args.format != "bf16" or not args.adapter):
@@ -446,8 +450,9 @@ def main(argv: list[str] | None = None) -> Path:
             try:  # an adapter that does not fit --model (trained on another base): one line
                 adapter = args.adapter if ckpt is None else _checkpoint_adapter(parser, args.adapter, tmp, ckpt)
                 model = load_adapter(model, adapter)
-            except ValueError as err:
-                parser.error(f"cannot load --adapter {args.adapter} onto --model {args.model}: {err}")
+            except (ValueError, OSError, SafetensorError) as err:  # (a file that cannot be read: named by err)
+                parser.error(f"cannot load --adapter {args.adapter} onto --model {args.model}: "
+                             f"{' '.join(str(err).split())}")
     export = export_nvfp4 if args.format == "nvfp4" else export_bf16
 
     def write(tmp: Path) -> None:

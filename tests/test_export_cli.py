@@ -83,3 +83,58 @@ def test_out_that_is_a_file_has_its_own_message(tmp_path, capsys, overwrite):
     last = capsys.readouterr().err.strip().splitlines()[-1]
     assert f"--out {tmp_path / 'file'} is a file: give a folder" in last and "not empty" not in last
     assert (tmp_path / "file").read_text() == "x"
+
+
+@pytest.fixture(scope="module")
+def adapter_dir(tmp_path_factory) -> Path:
+    """A readable adapter with trained norms (to copy and break)."""
+    return _bf16_run_adapter(tmp_path_factory.mktemp("good") / "adapter")[1]
+
+
+def _broken_copy(adapter: Path, out: Path, how: str) -> Path:
+    """``adapter`` copied to ``out`` with its LoRA tensors missing, or one of its files corrupt."""
+    import shutil
+
+    shutil.copytree(adapter, out)
+    if how == "missing":
+        (out / "adapter_model.safetensors").unlink()
+    else:  # a header length far past the end of the file, as a truncated download leaves it
+        (out / how).write_bytes(b"\xff" * 8 + b"{}")
+    return out
+
+
+_BROKEN = [("missing", "adapter_config.json but no adapter_model.safetensors or adapter_model.bin beside it"),
+           ("adapter_model.safetensors", "adapter_model.safetensors: unreadable ("),
+           (TRAINABLE_NORMS_FILE, f"{TRAINABLE_NORMS_FILE}: unreadable (")]
+
+
+@pytest.mark.parametrize("how, problem", _BROKEN, ids=["missing", "corrupt-lora", "corrupt-norms"])
+def test_cli_names_a_missing_or_unreadable_adapter_file(tmp_path, capsys, monkeypatch, adapter_dir, how, problem):
+    """No traceback and no hub lookup (peft takes a folder without adapter_model.* for a repo id): one
+    error line naming the file; a missing one is found before the model loads."""
+    import qerl.export
+
+    broken = _broken_copy(adapter_dir, tmp_path / "adapter", how)
+    if how == "missing":
+        monkeypatch.setattr(qerl.export, "load_policy", lambda *a, **k: pytest.fail("loaded before checking"))
+    with pytest.raises(SystemExit) as exc:
+        main(["--model", "tiny-qwen2", "--adapter", str(broken), "--out", str(tmp_path / "out")])
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and "Traceback" not in err and "Repo id" not in err
+    last = err.strip().splitlines()[-1]
+    assert f"error: --adapter {broken}" in last or f"error: cannot load --adapter {broken}" in last
+    assert problem in last, last
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("how, problem", _BROKEN, ids=["missing", "corrupt-lora", "corrupt-norms"])
+def test_policy_refuses_a_missing_or_unreadable_adapter_file(tmp_path, adapter_dir, how, problem):
+    """model.adapter_path (training, evaluation) goes through the same checks: a ValueError naming the file."""
+    from qerl.adapter import check_adapter_dir, load_adapter_into
+
+    broken = _broken_copy(adapter_dir, tmp_path / "adapter", how)
+    policy, _ = load_policy("tiny-qwen2", "nvfp4", LoraSettings(rank=4, alpha=8, trainable_norms=True),
+                            dtype="bf16", seed=SEED)
+    with pytest.raises(ValueError, match=problem.replace("(", r"\(")):
+        check_adapter_dir(broken)  # (checkpointing checks model.adapter_path so before the model loads)
+        load_adapter_into(policy, broken)
