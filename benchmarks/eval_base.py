@@ -76,7 +76,7 @@ def main():
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "eval_base_h200.json"))
     args = ap.parse_args()
     model_name = args.model
-    if args.model.endswith(".gguf"):
+    if args.model.lower().endswith(".gguf"):
         # transformers dequantizes GGUF on the CPU (over a minute for 0.5B): do it once, write a
         # bf16 checkpoint, and let every arm load (and quantize) from that.
         from qerl.export import export_bf16

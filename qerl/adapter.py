@@ -104,7 +104,7 @@ def same_model(a: str, b: str) -> bool:
     pa, pb = (Path(x).expanduser().resolve() for x in (a, b))
     if not (pa.exists() and pb.exists()):
         return False
-    folder = [p.parent if p.suffix == ".gguf" and p.is_file() else p for p in (pa, pb)]
+    folder = [p.parent if p.suffix.lower() == ".gguf" and p.is_file() else p for p in (pa, pb)]
     return pa == pb or ((pa.is_dir() or pb.is_dir()) and folder[0] == folder[1])
 
 

@@ -86,7 +86,7 @@ def _model_source(name_or_path: str) -> tuple[str, dict]:
     tiny model, a path that does not exist, neither a path nor a hub id) is a ValueError at once: the
     hub lookup it would get instead retries for most of a minute offline."""
     path = os.path.expanduser(name_or_path)
-    if name_or_path.endswith(".gguf"):
+    if name_or_path.lower().endswith(".gguf"):  # (a file name's case: Model.GGUF is a GGUF too)
         if not os.path.isfile(path):
             raise FileNotFoundError(f"GGUF file not found: {name_or_path}")
         folder, gguf_file = os.path.split(os.path.abspath(path))

@@ -118,6 +118,20 @@ def test_gguf_qwen2_logits_match_source(qwen2_gguf):
     assert tokenizer.padding_side == "left"
 
 
+def test_gguf_suffix_in_any_case(qwen2_gguf, tmp_path):
+    """``Model.GGUF`` is a GGUF file too (file names' case varies with the tool that wrote them), and its
+    folder is the base peft records for it."""
+    from qerl.adapter import same_model
+
+    path, source = qwen2_gguf
+    upper = tmp_path / "TINY-QWEN2-F32.GGUF"
+    upper.write_bytes(path.read_bytes())
+    model, _ = load_base_model(str(upper), dtype="fp32")
+    with torch.no_grad():
+        torch.testing.assert_close(model(_ids()).logits, source(_ids()).logits, atol=1e-5, rtol=0)
+    assert same_model(str(upper), str(tmp_path))
+
+
 def test_gguf_llama_qk_permutation_is_undone(tmp_path):
     source = build_tiny_model("llama", seed=4, vocab_size=VOCAB)
     path = tmp_path / "tiny-llama-f32.gguf"
