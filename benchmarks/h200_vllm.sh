@@ -58,7 +58,7 @@ for stage in "$@"; do
       # test_rollout_hf in one process, all tests pass but the process aborts at exit
       # (captures_underway.empty(), CUDACachingAllocator); each file alone exits cleanly
       for f in ${GPU_TEST_FILES:-$(grep -l "mark.gpu" tests/test_*.py)}; do
-        timeout ${GPUTEST_TIMEOUT:-200} python3 -m pytest -q -m gpu $f > "$OUT"/gputest_$(basename $f .py).log 2>&1
+        timeout ${GPUTEST_TIMEOUT:-300} python3 -m pytest -q -m gpu $f > "$OUT"/gputest_$(basename $f .py).log 2>&1
         echo "gputest $f exit $?"; tail -1 "$OUT"/gputest_$(basename $f .py).log
       done
       ;;

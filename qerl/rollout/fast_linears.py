@@ -1,9 +1,9 @@
 """The linears of a generating model, made cheap: LoRA in two GEMMs, one launch per shared input.
 
 Two contexts the embedded engine (``qerl.rollout.hf.HFEngine.generate``) enters while generating
-only; training and the reference pass keep the model's forwards (peft's LoRA, or with
+only; training and the reference pass keep the model's adapter forwards (peft's LoRA, or with
 ``LoraSettings.compute_dtype: model`` the same ``plus_lora`` on casts made per call:
-``qerl.lora_forward``).
+``qerl.lora_forward``), and on CUDA share only the third context's fused NVFP4 bases.
 
 * ``lean_lora_forward``: each adapted linear runs ``base(x) + (x A^T) (s B)^T`` on copies of its
   adapter in the model's dtype, 2 kernels besides the base instead of peft's 4.
@@ -20,6 +20,9 @@ only; training and the reference pass keep the model's forwards (peft's LoRA, or
   buffer (the old storage is freed), so later generations find them already in place. The member
   forwards recognise their shared input by identity (``k_proj(x)`` after ``q_proj(x)``); a member
   called on any other input computes the group again (correct, only slower).
+* ``fused_base_projections``: the training-time variant (``QeRLModule`` with ``fused_ops`` on CUDA):
+  only the frozen NVFP4 bases of a group run as one linear, with autograd; the adapters stay the
+  model's own.
 """
 
 from __future__ import annotations
@@ -214,24 +217,20 @@ def _fuse(members: list[nn.Module], lora_dtype: torch.dtype | None) -> _FusedGro
 
 
 @contextlib.contextmanager
-def fused_projections(model: nn.Module, lora_dtype: torch.dtype | None):
-    """Within the block, each q/k/v and gate/up group of ``model`` runs as one linear (see the
-    module docstring). ``lora_dtype``: the dtype its adapters run in (the model's: as
-    ``lean_lora_forward``); None leaves groups with an active adapter to peft. Groups that cannot be
-    fused (``_group_weight``, ``lora_state`` OTHER, an instance forward already set) keep their
-    forwards. Yields the number of groups fused."""
+def _grouped(model: nn.Module, fuse):
+    """Within the block, each q/k/v and gate/up group of ``model`` for which ``fuse(members)`` gives
+    ``(modules, group)`` has module i serve its slice of the group's output. Yields the number of groups."""
     patched, groups = [], 0
     try:
         with torch.no_grad():
             for parent in model.modules():
                 for names in GROUPS:
                     members = [getattr(parent, n, None) for n in names]
-                    if any(not isinstance(m, nn.Module) or "forward" in vars(m) for m in members):
+                    fused = fuse(members) if all(isinstance(m, nn.Module) for m in members) else None
+                    if fused is None:
                         continue
-                    group = _fuse(members, lora_dtype)
-                    if group is None:
-                        continue
-                    for i, m in enumerate(members):
+                    modules, group = fused
+                    for i, m in enumerate(modules):
                         m.forward = _member_forward(m, group, i)
                         patched.append(m)
                     groups += 1
@@ -241,7 +240,20 @@ def fused_projections(model: nn.Module, lora_dtype: torch.dtype | None):
             del m.forward
 
 
-@contextlib.contextmanager
+def fused_projections(model: nn.Module, lora_dtype: torch.dtype | None):
+    """Within the block, each q/k/v and gate/up group of ``model`` runs as one linear (see the
+    module docstring). ``lora_dtype``: the dtype its adapters run in (the model's: as
+    ``lean_lora_forward``); None leaves groups with an active adapter to peft. Groups that cannot be
+    fused (``_group_weight``, ``lora_state`` OTHER, an instance forward already set) keep their
+    forwards. Yields the number of groups fused."""
+    def fuse(members):
+        if any("forward" in vars(m) for m in members):
+            return None
+        group = _fuse(members, lora_dtype)
+        return None if group is None else (members, group)
+    return _grouped(model, fuse)
+
+
 def fused_base_projections(model: nn.Module):
     """Within the block, the frozen NVFP4 bases of each q/k/v and gate/up group run as one linear,
     with autograd (for training passes); the adapters stay peft's (or ``qerl.lora_forward``'s), which
@@ -256,27 +268,13 @@ def fused_base_projections(model: nn.Module):
     concatenation of the members' gradients cost more than the launches saved).
     A member's bias that trains and anything ``_group_weight`` refuses keep their own forward.
     Yields the number of groups fused."""
-    patched, groups = [], 0
-    try:
-        with torch.no_grad():
-            for parent in model.modules():
-                for names in GROUPS:
-                    members = [getattr(parent, n, None) for n in names]
-                    if any(not isinstance(m, nn.Module) for m in members):
-                        continue
-                    bases = [m.base_layer if hasattr(m, "base_layer") else m for m in members]
-                    if any(type(b) is not nn.Linear or "forward" in vars(b) or not isinstance(b.weight, NVFP4WeightTensor)
-                           or (b.bias is not None and b.bias.requires_grad) for b in bases):
-                        continue
-                    weight = _group_weight(bases)
-                    if weight is None:
-                        continue
-                    group = _FusedGroup(weight, _group_bias(bases, weight), None, [b.out_features for b in bases])
-                    for i, b in enumerate(bases):
-                        b.forward = _member_forward(b, group, i)
-                        patched.append(b)
-                    groups += 1
-        yield groups
-    finally:
-        for b in patched:
-            del b.forward
+    def fuse(members):
+        bases = [m.base_layer if hasattr(m, "base_layer") else m for m in members]
+        if any(type(b) is not nn.Linear or "forward" in vars(b) or not isinstance(b.weight, NVFP4WeightTensor)
+               or (b.bias is not None and b.bias.requires_grad) for b in bases):
+            return None
+        weight = _group_weight(bases)
+        if weight is None:
+            return None
+        return bases, _FusedGroup(weight, _group_bias(bases, weight), None, [b.out_features for b in bases])
+    return _grouped(model, fuse)
