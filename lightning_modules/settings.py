@@ -196,7 +196,7 @@ def split_one_group_state(state: dict, flags: list[bool]) -> dict:
 
 def lr_factor(step: int, total: int, warmup_ratio: float, schedule: str) -> float:
     """Multiplier of the peak LR at optimizer step ``step`` of ``total``."""
-    warmup = int(warmup_ratio * total)
+    warmup = math.floor(warmup_ratio * total + 1e-9)  # 0.29 * 100 = 28.999999999999996: 29 warmup steps
     if step < warmup:
         return (step + 1) / (warmup + 1)
     progress = min(1.0, (step - warmup) / max(1, total - warmup))

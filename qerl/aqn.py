@@ -269,7 +269,7 @@ class AdaptiveNoise(NoiseController):
     ``entropy_floor`` set, an entropy MA below the floor also triggers. On a trigger sigma =
     max(base, clip(base * boost, sigma_min, sigma_max)) for ``cooldown`` batches (a boost never
     lowers sigma, also where the base schedule starts above ``sigma_max``). ``last_decision`` logs
-    {"plateau": 0/1, "boost": applied factor, "reward_ma", "entropy_ma"}. A repeated call for the same
+    {"plateau": 0/1, "boost": applied factor, "base_sigma": the base schedule's sigma, "reward_ma", "entropy_ma"}. A repeated call for the same
     step returns the cached value.
 
     Args:
@@ -326,7 +326,10 @@ class AdaptiveNoise(NoiseController):
         sigma = max(base, min(max(base * self.boost, self.sigma_min), self.sigma_max)) if boosted else base
         self.last_decision = {
             "plateau": float(boosted),
-            "boost": (sigma / base if base > 0 else self.boost) if boosted else 1.0,
+            # the applied factor; none exists where sigma_min lifts a zero base (then NaN: not logged,
+            # and aqn/base_sigma 0 beside aqn/sigma shows what happened)
+            "boost": (sigma / base if base > 0 else float("nan") if sigma > 0 else 1.0) if boosted else 1.0,
+            "base_sigma": base,
             "reward_ma": reward_ma if reward_ma is not None else float("nan"),
             "entropy_ma": ent_ma if ent_ma is not None else float("nan"),
         }

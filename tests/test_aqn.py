@@ -171,7 +171,10 @@ def test_adaptive_relaxes_when_reward_improves_and_watches_entropy():
     assert ctrl.sigma(10, state) == pytest.approx(2e-3) and ctrl.last_decision["plateau"] == 1.0
     # a noise-free base stage: sigma_min lets a plateau still inject noise
     ctrl = AdaptiveNoise(window=5, sigma_min=1e-3)
-    assert _drive(ctrl, [0.3] * 12)[0][-1][0] == pytest.approx(1e-3)
+    sigma, decision = _drive(ctrl, [0.3] * 12)[0][-1]
+    assert sigma == pytest.approx(1e-3) and decision["plateau"] == 1.0
+    # no factor turns 0 into sigma_min: the boost is NaN (not logged) and the base sigma says why
+    assert math.isnan(decision["boost"]) and decision["base_sigma"] == 0.0
 
 
 def test_callback_history_must_hold_the_adaptive_window():

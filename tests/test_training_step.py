@@ -510,3 +510,20 @@ def test_lora_dropout_is_validated_and_warned_about():
     module = QeRLModule(model="tiny-qwen2", quantization="nvfp4", dtype="fp32", lora=LoraSettings(rank=4, dropout=0.1))
     with pytest.warns(UserWarning, match="lora.dropout = 0.1: each training forward draws its own dropout mask"):
         module.configure_model()
+
+
+def test_lr_factor_by_hand():
+    """Warmup (s+1)/(w+1) from step 0 (never 0), then cosine / linear / constant over the rest; the
+    warmup length is ratio x steps exactly, also where the float product falls just below it."""
+    from lightning_modules.settings import lr_factor
+
+    # 10 steps, 20% warmup: steps 0, 1 warm up to 1/3, 2/3; then 8 steps of decay
+    assert [lr_factor(s, 10, 0.2, "constant") for s in range(4)] == pytest.approx([1 / 3, 2 / 3, 1.0, 1.0])
+    assert lr_factor(2, 10, 0.2, "cosine") == 1.0
+    assert lr_factor(6, 10, 0.2, "cosine") == pytest.approx(0.5 * (1 + math.cos(math.pi * 4 / 8)))
+    assert lr_factor(6, 10, 0.2, "linear") == pytest.approx(0.5)
+    assert lr_factor(9, 10, 0.0, "linear") == pytest.approx(0.1)
+    # 0.29 * 100 is 28.999999999999996 in floats: still 29 warmup steps (28 before the fix)
+    assert lr_factor(28, 100, 0.29, "cosine") == pytest.approx(29 / 30)
+    assert lr_factor(29, 100, 0.29, "cosine") == 1.0
+    assert lr_factor(2, 20, 0.1, "cosine") == 1.0  # 0.1 * 20 = 2.0000000000000004: 2 steps, not 3
