@@ -13,6 +13,8 @@ from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
+from qerl.hub_offline import go_offline_if_hub_unreachable
+
 LOCAL_SUFFIXES = (".jsonl", ".json", ".parquet")
 
 
@@ -166,6 +168,7 @@ def _read_hub(source: str, split: str) -> Iterator[_RawRow]:
     import datasets
 
     dataset_id, _, config = source.partition(":")
+    go_offline_if_hub_unreachable()  # offline, a cached dataset loads at once instead of after retries
     try:
         ds = datasets.load_dataset(dataset_id, config or None, split=split)
     except Exception as err:  # offline, unknown id, or a local path that does not exist

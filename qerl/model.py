@@ -32,6 +32,7 @@ import torch
 import torch.nn as nn
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
+from qerl.hub_offline import go_offline_if_hub_unreachable
 from qerl.lora_forward import compute_in_activation_dtype
 from qerl.nvfp4 import NVFP4WeightTensor, global_scale_for
 from qerl.tiny import TINY_MODEL_NAMES, build_tiny_model, build_tiny_tokenizer
@@ -107,6 +108,7 @@ def _model_source(name_or_path: str) -> tuple[str, dict]:
         raise ValueError(f"cannot load model {name_or_path!r}: no such local file or directory, and not a Hugging "
                          f"Face id (owner/name, e.g. Qwen/Qwen2.5-7B-Instruct) or a tiny model name "
                          f"({', '.join(TINY_MODEL_NAMES)})")
+    go_offline_if_hub_unreachable()  # offline, a cached id loads at once instead of after minutes of retries
     return name_or_path, {}
 
 

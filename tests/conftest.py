@@ -5,6 +5,8 @@ import torch
 
 os.environ.setdefault("TORCHAO_FORCE_SKIP_LOADING_SO_FILES", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# No hub probe in tests (they mock every hub call; tests/test_hub_offline.py tests the probe itself)
+os.environ.setdefault("HF_HUB_OFFLINE", "0")
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 
 
