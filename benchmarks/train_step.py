@@ -217,6 +217,8 @@ def main():
     ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)),
                                                   "results", "train_step_h200.json"))
     args = ap.parse_args()
+    if args.rounds < 1:
+        ap.error(f"--rounds must be at least 1, got {args.rounds}")
     device = "cuda" if torch.cuda.is_available() else "cpu"
     on_off = lambda v: [{"off": False, "on": True}[s] for s in v.split(",")]  # noqa: E731
     fused_settings = [(f, p) for f in on_off(args.fused_ops) for p in on_off(args.fused_projections)]

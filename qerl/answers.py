@@ -82,12 +82,19 @@ def boxed_answers(text: str) -> list[str]:
     a multi-answer solution's boxes (``x = \\boxed{1}`` and ``x = \\boxed{-2}`` → ``['1', '-2']``)."""
     if not isinstance(text, str):
         return []
-    spans = _boxed_spans(text)
-    outer = [s for s in spans if not any(o[0] < s[0] and s[1] < o[1] for o in spans)]
+    # Balanced spans nest or are disjoint: by start, a span is outermost iff it ends after every
+    # outermost one before it (one pass; comparing all pairs was quadratic in thousands of boxes).
+    outer, reach = [], -1
+    for start, end in sorted(_boxed_spans(text)):
+        if end > reach:
+            outer.append((start, end))
+            reach = end
     answers: list[str] = []
-    for start, end in sorted(outer, key=lambda s: s[1]):
+    seen: set[str] = set()
+    for start, end in outer:  # disjoint: in start order is in end order
         content = text[start:end].strip()
-        if content and content not in answers:
+        if content and content not in seen:
+            seen.add(content)
             answers.append(content)
     return answers
 

@@ -71,11 +71,19 @@ def _looks_like_json_lines(text: str) -> bool:
     return len(lines) > 1 and 2 * sum(_json_error(line) is None for line in lines) >= len(lines)
 
 
+# A top-level object with one of these as text is a row itself, whatever lists of objects it holds
+# (``{"problem": ..., "answer": ..., "hints": [{...}]}``).
+_ROW_TEXT_KEYS = ("question", "problem", "prompt")
+
+
 def _row_list(data: Any, path: Path) -> list:
-    """The rows of a parsed ``.json`` document: a list of rows, an object holding exactly one list of
-    objects (``{"data": [...]}``, maybe beside scalar metadata), or else one object that is one row."""
+    """The rows of a parsed ``.json`` document: a list of rows, an object holding exactly one non-empty
+    list of objects (``{"data": [...]}``, maybe beside metadata and empty lists), or else one object
+    that is one row (always so when it has a ``question`` / ``problem`` / ``prompt`` text)."""
     if isinstance(data, Mapping):
-        lists = [v for v in data.values() if isinstance(v, list) and all(isinstance(r, Mapping) for r in v)]
+        if any(isinstance(data.get(k), str) for k in _ROW_TEXT_KEYS):
+            return [data]
+        lists = [v for v in data.values() if isinstance(v, list) and v and all(isinstance(r, Mapping) for r in v)]
         if len(lists) > 1:
             raise ValueError(f"{path}: expected a JSON list of rows (or an object holding exactly one list of rows, "
                              f"not {len(lists)})")

@@ -563,6 +563,11 @@ def test_json_files_broken_encoding_lines_and_single_rows(tmp_path, caplog):
     assert [e.answer for e in load_examples(str(wrapped))] == ["72", "1080"]
     single.write_text(json.dumps({**GSM8K_ROWS[2], "tags": ["a", "b"]}))
     assert [e.answer for e in load_examples(str(single))] == ["-3"]
+    for extra in ({"tags": []}, {"hints": [{"text": "add"}]}):  # empty lists / lists of objects in a row
+        single.write_text(json.dumps({**GSM8K_ROWS[2], **extra}))
+        assert [e.answer for e in load_examples(str(single))] == ["-3"], extra
+    wrapped.write_text(json.dumps({"data": GSM8K_ROWS[:2], "errors": []}))  # an empty list beside the rows
+    assert [e.answer for e in load_examples(str(wrapped))] == ["72", "1080"]
     pretty = tmp_path / "pretty.json"  # a broken pretty-printed document keeps its own error
     pretty.write_text(json.dumps(GSM8K_ROWS, indent=2)[:-1])
     with pytest.raises(ValueError, match=f"{pretty}: not valid JSON"):

@@ -32,7 +32,8 @@ class FakeProbe:
 def probe(monkeypatch) -> FakeProbe:
     """No offline mode, no earlier probe, no proxy; every flag the probe may set restored afterwards."""
     for name in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", *hub_offline._PROXY_VARIABLES):
-        monkeypatch.delenv(name, raising=False)
+        monkeypatch.setenv(name, "")  # (so monkeypatch restores the variable's absence too: the probe may set it)
+        monkeypatch.delenv(name)
     monkeypatch.setattr(hub, "HF_HUB_OFFLINE", False)
     monkeypatch.setattr(hub_offline, "_probed", None)
     datasets = pytest.importorskip("datasets")
@@ -54,6 +55,11 @@ def test_unreachable_hub_turns_on_offline_mode_once(probe, caplog):
     assert hub.HF_HUB_OFFLINE and os.environ["HF_HUB_OFFLINE"] == "1" == os.environ["HF_DATASETS_OFFLINE"]
     assert datasets.config.HF_HUB_OFFLINE and datasets.config.HF_DATASETS_OFFLINE
     assert caplog.text.count("does not answer") == 1 and "HF_HUB_OFFLINE=0" in caplog.text
+
+
+def test_the_fixture_restores_what_the_probe_set():
+    """(Runs after the test above: the flags it set are gone again.)"""
+    assert "HF_DATASETS_OFFLINE" not in os.environ and not hub.HF_HUB_OFFLINE
 
 
 def test_reachable_hub_changes_nothing(probe):

@@ -533,3 +533,13 @@ def test_non_finite_rewards_score_zero_with_a_warning(caplog) -> None:
 
     with pytest.raises(ValueError, match="Short.compute returned 1 rewards for 2 completions"):
         Short()(["a", "b"], ["1", "1"])
+
+
+def test_many_boxes_cost_linear_time():
+    """``boxed_answers`` kept the outermost boxes by comparing every pair: ~110,000 boxes (1 MB) took
+    seconds, and outside the main thread, where no deadline can fire, minutes. The result is the same."""
+    from qerl.answers import boxed_answers
+
+    text = "\\boxed{1}" * 110_000 + "\\boxed{\\boxed{2} and 3}"
+    assert boxed_answers(text) == ["1", "\\boxed{2} and 3"]
+    assert boxed_answers("\\boxed{a} \\boxed{\\fbox{b}} \\boxed{a} \\boxed{c") == ["a", "\\fbox{b}"]
