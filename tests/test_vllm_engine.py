@@ -28,8 +28,9 @@ from qerl.rollout.vllm_worker import unexpected_lora_modules
 from qerl.tiny import build_tiny_model
 
 
-def _policy(arch="qwen2", rank=4, trainable_norms=False):
-    model, tok = load_policy(f"tiny-{arch}", "nvfp4", LoraSettings(rank=rank, trainable_norms=trainable_norms), dtype="fp32")
+def _policy(arch="qwen2", rank=4, trainable_norms=False, **lora):
+    settings = LoraSettings(rank=rank, trainable_norms=trainable_norms, **lora)
+    model, tok = load_policy(f"tiny-{arch}", "nvfp4", settings, dtype="fp32")
     with torch.no_grad():  # peft starts B at 0: make the adapter do something
         for name, p in model.named_parameters():
             if "lora_B" in name:
@@ -61,6 +62,15 @@ def test_noisy_norm_names_exist_in_the_plain_model(arch):
     mapped = [hf_to_vllm_norm_name(n) for n in norms.effective_scales()]
     assert len(mapped) == 4 and all(n in plain for n in mapped)
     assert all(n.endswith(("input_layernorm.weight", "post_attention_layernorm.weight")) for n in mapped)
+
+
+def test_adapter_tensors_refuse_lora_vllm_would_not_apply():
+    """An embedding's LoRA (lora_embedding_A/B) is not among the linears' A/B that go to vLLM: refused
+    in one line, not silently left out (vLLM would sample from another policy than the trained one)."""
+    model, _ = _policy(target_modules=["q_proj", "v_proj", "embed_tokens"])
+    with pytest.raises(ValueError, match=r"^the vLLM engine pushes LoRA A/B of linears only, not \['base_model"
+                                         r".*lora_embedding_A.*: drop those modules from model.lora.target_modules"):
+        adapter_tensors(model)
 
 
 def test_adapter_tensors_are_peft_lora_copies():
@@ -434,6 +444,22 @@ def test_evaluation_runs_in_the_rollout_vllm_engine(fake_vllm, tmp_path, monkeyp
     assert not torch.equal(train[1]["norm"], plain)  # step 1 rolled out with AQN noise (sigma_start)...
     assert all(torch.equal(g["norm"], plain.to(torch.bfloat16).float()) for g in evals)  # ...validation without
     assert (Path(cli.trainer.log_dir) / "eval" / "val_step2.json").exists()
+
+
+def test_dynamic_sampling_refills_without_sleeping_in_between(fake_vllm, tmp_path, monkeypatch):
+    """DAPO's refill rounds generate in one awake vLLM: one sleep per rollout step, not one per
+    round (~6 s each at 7B), and that sleep is counted in time/generate/sleep."""
+    from train import main
+
+    monkeypatch.chdir(tmp_path)
+    seen = _record_vllm_requests(monkeypatch)
+    refill = ["--trainer.callbacks.dynamic_sampling=true", "--trainer.callbacks.max_refill_rounds=2"]
+    cli = main(["fit", *_vllm_config(tmp_path, 1, *refill)])
+    calls = fake_vllm[0].calls
+    assert len(seen) == 3  # the fake's completions all score alike: both refill rounds run
+    first, last = calls.index("generate"), len(calls) - 1 - calls[::-1].index("generate")
+    assert "sleep:1" not in calls[first:last] and calls[last + 1:].count("sleep:1") == 1
+    assert "time/generate/sleep" in cli.trainer.callback_metrics
 
 
 # ----------------------------------------------------------------------------- real vLLM (H200)

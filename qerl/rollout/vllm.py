@@ -139,8 +139,16 @@ def adapter_tensors(peft_model: nn.Module) -> dict[str, torch.Tensor]:
     from peft.utils import get_peft_model_state_dict
 
     state = get_peft_model_state_dict(peft_model)
-    return {k: v.detach().to("cpu", copy=True).contiguous() for k, v in state.items()
-            if k.endswith((".lora_A.weight", ".lora_B.weight"))}
+    tensors = {k: v.detach().to("cpu", copy=True).contiguous() for k, v in state.items()
+               if k.endswith((".lora_A.weight", ".lora_B.weight"))}
+    # anything else peft trains (an embedding's lora_embedding_A/B, DoRA's magnitudes) would not reach
+    # vLLM: it would sample from another policy than the one trained
+    left_out = sorted(k for k in state if k not in tensors and "lora_" in k)
+    if left_out:
+        raise ValueError(f"the vLLM engine pushes LoRA A/B of linears only, not {left_out[:3]}"
+                         f"{' ...' if len(left_out) > 3 else ''}: drop those modules from model.lora.target_modules "
+                         "or use engine: hf")
+    return tensors
 
 
 def adapter_config(peft_model: nn.Module) -> dict[str, Any]:
