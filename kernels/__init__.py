@@ -32,12 +32,16 @@ def is_available(device=None) -> bool:
         return False
 
 
-def _check(a, qdata, scale, per_tensor_scale, red_dim):
+def _check(a, qdata, scale, per_tensor_scale, red_dim, out=None):
     if qdata.dtype != torch.uint8 or qdata.dim() != 2:
         raise ValueError(f"qdata must be uint8 [N, K/2], got {qdata.dtype} {tuple(qdata.shape)}")
     N, K = qdata.shape[0], qdata.shape[1] * 2
-    if K % 16 or tuple(scale.shape) != (N, K // 16) or scale.element_size() != 1:
-        raise ValueError(f"scale must be e4m3 [N, K/16] = [{N}, {K // 16}], got {tuple(scale.shape)}")
+    # (uint8: e4m3 bits; another 1-byte float, e5m2, would decode as e4m3 here but not on the CPU path)
+    if K % 16 or tuple(scale.shape) != (N, K // 16) or scale.dtype not in (torch.float8_e4m3fn, torch.uint8):
+        raise ValueError(f"scale must be e4m3 [N, K/16] = [{N}, {K // 16}], got {scale.dtype} {tuple(scale.shape)}")
+    if not a.device == qdata.device == scale.device == per_tensor_scale.device:
+        raise ValueError(f"activation, qdata, scale and per_tensor_scale on different devices: {a.device}, "
+                         f"{qdata.device}, {scale.device}, {per_tensor_scale.device}")
     if not (qdata.is_contiguous() and scale.is_contiguous()):
         raise ValueError("qdata and scale must be contiguous")
     want = K if red_dim == "K" else N
@@ -45,12 +49,18 @@ def _check(a, qdata, scale, per_tensor_scale, red_dim):
         raise ValueError(f"activation last dim {a.shape[-1]} != {red_dim}={want}")
     if per_tensor_scale.numel() != 1:
         raise ValueError("per_tensor_scale must have one element")
+    if out is not None:  # the kernels write rows of unit stride in the activation dtype, all of them
+        cols = N if red_dim == "K" else K
+        want = (*a.shape[:-1], cols)
+        if tuple(out.shape) != want or out.dtype != a.dtype or out.device != a.device or out.stride(-1) != 1:
+            raise ValueError(f"out must be {a.dtype} {list(want)} on {a.device} with unit last stride, got "
+                             f"{out.dtype} {list(out.shape)} on {out.device}, strides {out.stride()}")
 
 
 def nvfp4_linear_forward(x, qdata, scale, per_tensor_scale, out=None):
     """y = x @ W^T with W = e2m1(qdata) * scale * per_tensor_scale; y in x.dtype."""
     from . import _launch
-    _check(x, qdata, scale, per_tensor_scale, "K")
+    _check(x, qdata, scale, per_tensor_scale, "K", out)
     lead = x.shape[:-1]
     y = _launch.linear_forward(x.reshape(-1, x.shape[-1]), qdata, scale, per_tensor_scale,
                                out=None if out is None else out.view(-1, qdata.shape[0]))
@@ -60,7 +70,7 @@ def nvfp4_linear_forward(x, qdata, scale, per_tensor_scale, out=None):
 def nvfp4_linear_grad_input(grad_out, qdata, scale, per_tensor_scale, out=None):
     """gx = grad_out @ W (reduction over N, across the block-scale groups); gx in grad_out.dtype."""
     from . import _launch
-    _check(grad_out, qdata, scale, per_tensor_scale, "N")
+    _check(grad_out, qdata, scale, per_tensor_scale, "N", out)
     lead = grad_out.shape[:-1]
     K = qdata.shape[1] * 2
     gx = _launch.linear_grad_input(grad_out.reshape(-1, grad_out.shape[-1]), qdata, scale,

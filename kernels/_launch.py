@@ -143,6 +143,11 @@ def _num_sms(dev) -> int:
 def _counters(dev, n: int) -> torch.Tensor:
     buf = _COUNTERS.get(dev)
     if buf is None or buf.numel() < n:
+        if dev.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            # made here, its zero-fill would only be recorded into the graph, and eager calls before the
+            # first replay would read uninitialised tile counters
+            raise RuntimeError("the split-K tile counters would be first allocated inside CUDA-graph capture: "
+                               "run this linear once eagerly before capturing")
         if buf is not None:
             _OLD_COUNTERS.append(buf)
         buf = torch.zeros(max(n, 1 << 16), dtype=torch.int32, device=dev)
@@ -211,6 +216,9 @@ def dequantize(qdata, scale, per_tensor_scale, dtype=torch.bfloat16, out=None):
     N, K = qdata.shape[0], qdata.shape[1] * 2
     if out is None:
         out = torch.empty((N, K), dtype=dtype, device=qdata.device)
+    elif tuple(out.shape) != (N, K) or out.dtype != dtype or not out.is_contiguous() or out.device != qdata.device:
+        raise ValueError(f"out must be a contiguous {dtype} [{N}, {K}] on {qdata.device}, got {out.dtype} "
+                         f"{list(out.shape)} on {out.device}")
     BN, BK = 64, 256
     grid = (triton.cdiv(K, BK), triton.cdiv(N, BN))
     K_._dequant_kernel[grid](qdata, scale.view(torch.uint8), _pts(per_tensor_scale), out, N, K, K // 16,
@@ -326,6 +334,10 @@ def _prep(a, qdata, scale, out_cols, out):
         a = a.contiguous()
     if out is None:
         out = torch.empty((a.shape[0], out_cols), dtype=a.dtype, device=a.device)
+    elif (tuple(out.shape) != (a.shape[0], out_cols) or out.dtype != a.dtype or out.device != a.device
+          or out.stride(-1) != 1):  # the kernels write every row, in a.dtype, at unit column stride
+        raise ValueError(f"out must be {a.dtype} [{a.shape[0]}, {out_cols}] on {a.device} with unit column "
+                         f"stride, got {out.dtype} {list(out.shape)} on {out.device}, strides {out.stride()}")
     return a, out
 
 

@@ -251,11 +251,12 @@ def _linear(func, types, args, kwargs):
 @implements(aten._to_copy.default)
 def _to_copy(func, types, args, kwargs):
     """``.to(device)`` moves the packed tensors; ``.to(dtype)`` changes only the presented dtype
-    (the codes stay NVFP4), so ``model.to(torch.bfloat16)`` cannot silently dequantize anything."""
+    (the codes stay NVFP4), so ``model.to(torch.bfloat16)`` cannot silently dequantize anything.
+    Either way a copy, as ``_to_copy`` promises: an alias would see the other's later ``copy_``."""
     w = args[0]
     device = kwargs.get("device") or w.device
     dtype = kwargs.get("dtype") or w.orig_dtype
-    move = lambda t: t.to(device=device)  # noqa: E731
+    move = lambda t: t.to(device=device, copy=True)  # noqa: E731
     return NVFP4WeightTensor(move(w.qdata), move(w.scale), move(w.per_tensor_scale), dtype)
 
 

@@ -93,6 +93,39 @@ def test_shape_validation():
         kernels.nvfp4_linear_grad_input(torch.randn(2, 31), q, s, p)
 
 
+def test_bad_out_scale_dtype_and_devices_are_refused_before_any_launch(monkeypatch):
+    """``out`` of the wrong shape, dtype or strides would be written past or garbled (the kernels
+    write every row, in the activation dtype, at unit column stride); e5m2 scales would decode as
+    e4m3; a weight on another device than the activation would hand a kernel a host pointer."""
+    from kernels import _launch as L
+
+    monkeypatch.setattr(L, "_run", lambda *a, **k: pytest.fail("launched"))
+    q, s, p = rand_weight(32, 64)
+    x, g = torch.randn(5, 64), torch.randn(5, 32)
+    bad_outs = {"rows": torch.empty(3, 32), "dtype": torch.empty(5, 32, dtype=torch.float64),
+                "transposed": torch.empty(32, 5).t(), "3-d": torch.empty(1, 5, 32)}
+    for name, out in bad_outs.items():
+        with pytest.raises(ValueError, match="^out must be"):
+            kernels.nvfp4_linear_forward(x, q, s, p, out=out)
+        with pytest.raises(ValueError, match="^out must be"):
+            L.linear_forward(x, q, s, p, out=out)
+    with pytest.raises(ValueError, match="^out must be"):
+        kernels.nvfp4_linear_grad_input(g, q, s, p, out=torch.empty(5, 32))
+    with pytest.raises(ValueError, match="got torch.float8_e5m2"):
+        kernels.nvfp4_linear_forward(x, q, s.view(torch.uint8).view(torch.float8_e5m2), p)
+    with pytest.raises(ValueError, match="on different devices"):
+        kernels.nvfp4_linear_forward(x, q, s, p.to("meta"))
+
+
+def test_split_counters_are_not_first_made_inside_graph_capture(monkeypatch):
+    from kernels import _launch as L
+
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    monkeypatch.setattr(L, "_COUNTERS", {})
+    with pytest.raises(RuntimeError, match="inside CUDA-graph capture: run this linear once eagerly"):
+        L._counters(torch.device("cuda", 0), 10)
+
+
 def test_autotune_with_every_candidate_failing_falls_back_to_the_default(monkeypatch):
     """tune() skips candidates that fail (out of memory at peak training memory): with none left the
     default config runs (and is kept, so the failing tune is not repeated every call) instead of an

@@ -177,3 +177,12 @@ def test_kernels_load_past_a_foreign_kernels_package(monkeypatch):
     monkeypatch.setitem(sys.modules, "kernels", ours)  # the usual case: the repository's own package
     assert nvfp4.load_kernels() is ours
 
+
+
+def test_to_another_dtype_copies_the_packed_tensors():
+    """``_to_copy`` returns a copy (it aliased the codes: a later ``copy_`` into one changed both)."""
+    w = NVFP4WeightTensor.from_float(torch.randn(32, 64))              # presents fp32
+    assert w.to(torch.float32) is w                                    # nothing to do: torch returns it
+    for moved in (w.to(torch.bfloat16), w.to(torch.float16), w.to("cpu", copy=True)):
+        assert isinstance(moved, NVFP4WeightTensor) and torch.equal(moved.qdata, w.qdata)
+        assert moved.qdata.data_ptr() != w.qdata.data_ptr() and moved.scale.data_ptr() != w.scale.data_ptr()
