@@ -49,12 +49,17 @@ def _check(a, qdata, scale, per_tensor_scale, red_dim, out=None):
         raise ValueError(f"activation last dim {a.shape[-1]} != {red_dim}={want}")
     if per_tensor_scale.numel() != 1:
         raise ValueError("per_tensor_scale must have one element")
-    if out is not None:  # the kernels write rows of unit stride in the activation dtype, all of them
-        cols = N if red_dim == "K" else K
-        want = (*a.shape[:-1], cols)
-        if tuple(out.shape) != want or out.dtype != a.dtype or out.device != a.device or out.stride(-1) != 1:
-            raise ValueError(f"out must be {a.dtype} {list(want)} on {a.device} with unit last stride, got "
-                             f"{out.dtype} {list(out.shape)} on {out.device}, strides {out.stride()}")
+    if out is not None:
+        check_out(out, a, N if red_dim == "K" else K)
+
+
+def check_out(out, a, cols) -> None:
+    """``out`` as the kernels write it: every row of ``a``'s leading shape x ``cols``, in ``a``'s dtype
+    and device, at unit last stride (also what ``_launch`` asks of the 2-D view it gets)."""
+    want = (*a.shape[:-1], cols)
+    if tuple(out.shape) != want or out.dtype != a.dtype or out.device != a.device or out.stride(-1) != 1:
+        raise ValueError(f"out must be {a.dtype} {list(want)} on {a.device} with unit last stride, got "
+                         f"{out.dtype} {list(out.shape)} on {out.device}, strides {out.stride()}")
 
 
 def nvfp4_linear_forward(x, qdata, scale, per_tensor_scale, out=None):

@@ -25,6 +25,7 @@ from dataclasses import dataclass, replace
 import torch
 import triton
 
+from . import check_out
 from . import nvfp4_w4a16 as K_
 
 _NUM_SMS = {}
@@ -334,10 +335,8 @@ def _prep(a, qdata, scale, out_cols, out):
         a = a.contiguous()
     if out is None:
         out = torch.empty((a.shape[0], out_cols), dtype=a.dtype, device=a.device)
-    elif (tuple(out.shape) != (a.shape[0], out_cols) or out.dtype != a.dtype or out.device != a.device
-          or out.stride(-1) != 1):  # the kernels write every row, in a.dtype, at unit column stride
-        raise ValueError(f"out must be {a.dtype} [{a.shape[0]}, {out_cols}] on {a.device} with unit column "
-                         f"stride, got {out.dtype} {list(out.shape)} on {out.device}, strides {out.stride()}")
+    else:
+        check_out(out, a, out_cols)
     return a, out
 
 
