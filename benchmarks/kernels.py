@@ -34,7 +34,7 @@ import kernels  # noqa: E402
 from kernels import _launch as L  # noqa: E402
 
 MODELS = {  # layer -> (N, K) of the linear weight [N, K]; q/k/v and gate/up as the fused linears run them
-    # the small ones (the testbed's 0.5B and its neighbours) have no pinned presets yet: tune them with
+    # the small ones (the testbed's 0.5B and its neighbours) were pinned with
     # --models 0.5b,1.5b,3b --tune --write-presets kernels/presets_h200.json (the others' pins are kept)
     "0.5b": {"qkv": (896 + 2 * 2 * 64, 896), "o": (896, 896),
              "gate_up": (2 * 4864, 896), "down": (896, 4864)},
