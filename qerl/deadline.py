@@ -36,6 +36,9 @@ def _can_use_alarm() -> bool:
     )
 
 
+_LONGEST_TIMER_S = 1e6  # ~11.6 days: any longer limit is no limit
+
+
 def call_with_deadline(fn: Callable[[], _T], seconds: float) -> _T:
     """Run ``fn()`` and raise TimeoutError if it takes longer than ``seconds`` of wall time.
 
@@ -45,8 +48,8 @@ def call_with_deadline(fn: Callable[[], _T], seconds: float) -> _T:
     work (``9^{9^{9^9}}``, ``99999999!``) runs in Python loops and was measured to stop on time.
     Outside the main thread no signal can be used: there only the input-length caps bound the cost.
     """
-    if seconds <= 0 or not _can_use_alarm():
-        return fn()
+    if seconds <= 0 or seconds > _LONGEST_TIMER_S or not _can_use_alarm():
+        return fn()  # 0 / inf mean "no limit" (setitimer itself overflows past ~9e9 s)
     old_handler = signal.signal(signal.SIGALRM, _raise_deadline)
     old_hook = sys.unraisablehook
     sys.unraisablehook = functools.partial(_drop_deadline_unraisable, old_hook)

@@ -297,7 +297,7 @@ def base_weight_bytes(model: nn.Module) -> dict[str, int]:
             state = getattr(p, "quant_state", None)
             extra = 0 if state is None else sum(t.numel() * t.element_size() for t in _quant_state_tensors(state))
             linear += p.numel() * p.element_size() + extra
-        elif name.rsplit(".", 2)[-2] in DECODER_LINEARS or ".base_layer." in name:
+        elif name.replace(".base_layer.", ".").rsplit(".", 2)[-2] in DECODER_LINEARS:  # not a wrapped lm_head
             linear += p.numel() * p.element_size()
         else:
             other += p.numel() * p.element_size()

@@ -130,7 +130,8 @@ class MathAccuracy(RewardFunction):
 
     Args:
         boxed_only: If True, a completion without ``\\boxed{}`` scores 0 (no fallback parse).
-        timeout_s: Wall-clock limit per completion for parse + verify (main thread only).
+        timeout_s: Wall-clock limit per completion for parse + verify (main thread only); 0 or
+            ``.inf`` for none.
         max_chars: The most characters math-verify parses (its regexes and LaTeX parser can be slow
             on very long text): the box's content (a longer box scores 0) or, without a box, the
             completion's last ``max_chars`` characters. The box itself is found in the whole text.
@@ -140,6 +141,8 @@ class MathAccuracy(RewardFunction):
 
     def __init__(self, boxed_only: bool = False, timeout_s: float = 2.0, max_chars: int = 10_000) -> None:
         super().__init__()
+        if not timeout_s >= 0:  # also refuses NaN
+            raise ValueError(f"MathAccuracy: timeout_s must be >= 0 (0 or .inf: no limit), got {timeout_s}")
         self.boxed_only = boxed_only
         self.timeout_s = timeout_s
         self.max_chars = max_chars

@@ -126,6 +126,14 @@ def test_quantized_linear_bytes_at_most_03x_bf16(arch):
     assert count_parameters(q)["total"] == count_parameters(bf16)["total"]
 
 
+def test_lora_on_lm_head_keeps_it_out_of_the_decoder_linear_bytes():
+    """peft's ``lm_head.base_layer`` is still the 16-bit head, not a decoder linear."""
+    plain, _ = load_policy("tiny-qwen2", "nvfp4", LoraSettings(rank=4), dtype="bf16")
+    with_head, _ = load_policy("tiny-qwen2", "nvfp4", LoraSettings(rank=4, target_modules=[*DECODER_LINEARS, "lm_head"]),
+                               dtype="bf16")
+    assert base_weight_bytes(with_head) == base_weight_bytes(plain)
+
+
 @pytest.mark.parametrize("lora", [None, LoraSettings(rank=4, alpha=8)], ids=["base", "lora"])
 def test_nf4_parameter_count_is_logical(lora):
     """bitsandbytes packs an NF4 weight into N*K/2 uint8 elements; it still counts as N*K."""

@@ -379,6 +379,17 @@ def test_adversarial_bounded_and_never_raises() -> None:
     assert elapsed < 8.0, f"adversarial batch took {elapsed:.1f}s"
 
 
+@pytest.mark.parametrize("timeout_s", [0.0, float("inf"), 1e12])
+def test_no_timeout_means_no_limit(timeout_s) -> None:
+    """0 and .inf both mean "no limit" (setitimer overflows on inf, which scored every completion 0)."""
+    assert MathAccuracy(timeout_s=timeout_s)([r"so \boxed{4}"], ["4"]) == [1.0]
+
+
+def test_nan_timeout_is_refused() -> None:
+    with pytest.raises(ValueError, match="timeout_s"):
+        MathAccuracy(timeout_s=float("nan"))
+
+
 def test_deadline_inside_a_finalizer_is_not_reported_as_unraisable(monkeypatch) -> None:
     """The alarm can land in a ``__del__`` (or a generator the GC closes), where it cannot propagate:
     Python hands it to ``sys.unraisablehook`` (pytest's fails the test, CI once did) and the timer's
