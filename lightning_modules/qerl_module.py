@@ -34,8 +34,8 @@ import lightning as L
 import torch
 from lightning.pytorch.utilities import rank_zero_warn
 
-from qerl.losses import group_advantages, policy_loss, selective_log_softmax, entropy_from_logits, masked_mean
-from qerl.losses import high_entropy_mask, truncated_is_weights
+from qerl.logprobs import entropy_from_logits, selective_log_softmax
+from qerl.losses import group_advantages, high_entropy_mask, masked_mean, policy_loss, truncated_is_weights
 from lightning_modules.checkpointing import ResumeMixin
 from lightning_modules.settings import LIGHTNING_ADVICE_THAT_DOES_NOT_APPLY, lr_factor, param_groups, step_count_warnings
 from lightning_modules.settings import LossSettings, OptimizerSettings  # noqa: F401  (the CLI's model.loss, .optimizer)

@@ -6,17 +6,16 @@ import pytest
 import torch
 from torch.testing import assert_close
 
+from qerl.logprobs import entropy_from_logits, selective_log_softmax
 from qerl.losses import (
     high_entropy_mask,
     aggregate_loss,
-    entropy_from_logits,
     group_advantages,
     groups_with_signal,
     k3_kl,
     masked_mean,
     overlong_penalty,
     policy_loss,
-    selective_log_softmax,
     truncated_is_weights,
 )
 
