@@ -40,6 +40,7 @@ from lightning_modules.checkpointing import ResumeMixin
 from lightning_modules.settings import LIGHTNING_ADVICE_THAT_DOES_NOT_APPLY, lr_factor, param_groups, step_count_warnings
 from lightning_modules.settings import LossSettings, OptimizerSettings  # noqa: F401  (the CLI's model.loss, .optimizer)
 from lightning_modules.evaluation import EvalSettings, EvaluationMixin, claim_unused_path  # noqa: F401  (EvalSettings: the CLI's model.eval)
+from lightning_modules.step_metrics import StepMetricsMixin
 from qerl.model import LoraSettings, base_model_only, load_policy, load_tokenizer
 from qerl.rollout import Rollout
 from qerl.rollout.fast_linears import fused_base_projections
@@ -58,7 +59,7 @@ def forward_window(attention_mask: torch.Tensor, prompt_len: int) -> tuple[int, 
     return start, stop
 
 
-class QeRLModule(ResumeMixin, EvaluationMixin, L.LightningModule):
+class QeRLModule(ResumeMixin, EvaluationMixin, StepMetricsMixin, L.LightningModule):
     """The policy (frozen NVFP4/bf16 base + LoRA) and the RL update.
 
     Args:
@@ -377,92 +378,6 @@ class QeRLModule(ResumeMixin, EvaluationMixin, L.LightningModule):
             sched.step()
 
         self._log_step(rollout, sums, losses, grad_norms, pre, time.perf_counter() - t0, lr)
-
-    # ---------------------------------------------------------------- logging
-    def _log_step(self, rollout: Rollout, sums, losses, grad_norms, pre, train_time, lr) -> None:
-        """One point per curve for this rollout batch; the update scalars are means over the applied
-        updates (NaN when every update was skipped: nothing was trained on)."""
-        G = rollout.group_size
-        applied = len(losses)
-        update_mean = lambda key: sums.get(key, 0.0) / applied if applied else float("nan")  # noqa: E731
-        pre_mean = lambda key: pre[key] / pre["weight"] if pre["weight"] else float("nan")  # noqa: E731
-        rewards = rollout.rewards.float()
-        group_std = rewards.view(-1, G).std(-1) if G > 1 else torch.zeros(rewards.numel())
-        lengths = rollout.sampled_lengths().float()  # every generated completion (also DAPO's dropped groups)
-        metrics = {
-            "train/reward": rewards.mean(),
-            # every sampled group's (DAPO's dynamic sampling trains on the mixed ones only)
-            "train/reward_sampled": rollout.mean_sampled_reward(),
-            "train/reward_std": group_std.mean(),
-            "train/frac_reward_zero_std": (group_std < 1e-6).float().mean(),
-            "train/entropy": pre_mean("entropy"),
-            "train/kl": update_mean("kl"),
-            "train/loss": sum(losses) / applied if applied else float("nan"),
-            "train/clip_ratio/low": update_mean("clip_ratio/low"),
-            "train/clip_ratio/high": update_mean("clip_ratio/high"),
-            "train/clip_ratio/region": update_mean("clip_ratio/region"),
-            "train/is_ratio/mean": pre_mean("is_ratio"),
-            "train/completion_length/mean": lengths.mean(),
-            "train/completion_length/max": lengths.max(),
-            "train/clipped_ratio": rollout.sampled_truncated().float().mean(),
-            "train/grad_norm": sum(grad_norms) / len(grad_norms) if grad_norms else float("nan"),
-            "train/lr": lr,
-            "train/groups_dropped": float(rollout.num_groups_dropped),
-            "time/train": train_time,
-        }
-        for name, values in rollout.reward_components.items():
-            metrics[f"train/rewards/{name}"] = values.float().mean()
-        for name, seconds in rollout.timings.items():
-            metrics[f"time/{name}"] = seconds
-        metrics = {k: torch.as_tensor(v, dtype=torch.float32, device=self.device) for k, v in metrics.items()}
-        # DDP: the curves describe every rank's rollouts (means over ranks, the maximum length's max);
-        # the keys are the same on every rank, so the reductions pair up. No-ops in one process.
-        longest = {"train/completion_length/max": metrics.pop("train/completion_length/max")}
-        self.log_dict(metrics, on_step=True, on_epoch=False, batch_size=rewards.numel(), sync_dist=True)
-        self.log_dict(longest, on_step=True, on_epoch=False, batch_size=rewards.numel(), sync_dist=True,
-                      reduce_fx="max")
-        self._warn_on_silent_failures(float(metrics["train/frac_reward_zero_std"]), float(metrics["train/clipped_ratio"]))
-
-    def _warn_on_silent_failures(self, frac_zero_std: float, clipped: float) -> None:
-        """The classic silent failures: no reward signal, or every completion cut at max length (under
-        DDP: on every rank, so rank 0's warning speaks for the run, not for its own shard)."""
-        flat, truncated = self._on_all_ranks(frac_zero_std >= 1.0), self._on_all_ranks(clipped >= 0.9)
-        self._streaks["zero_std"] = self._streaks["zero_std"] + 1 if flat else 0
-        self._streaks["truncated"] = self._streaks["truncated"] + 1 if truncated else 0
-        n = self.warn_after_steps
-        if self._streaks["zero_std"] == n:
-            rank_zero_warn(f"reward std has been 0 in every group for {n} steps: no learning signal "
-                           "(check the reward function, answers, and max_new_tokens)")
-        if self._streaks["truncated"] == n:
-            rank_zero_warn(f">= 90% of completions hit max_new_tokens for {n} steps: raise max_new_tokens "
-                           "or check the stop tokens")
-
-    def token_normaliser(self, loss_mask: torch.Tensor) -> torch.Tensor:
-        """dapo's denominator: the rollout batch's valid tokens over every rank divided by the world
-        size W (DDP averages the ranks' gradients, so each rank divides its token sum by total / W and
-        the average is the global token mean; a rank's own count would weight a token of a rank with
-        short completions more). The count itself in one process."""
-        count = loss_mask.sum().float()
-        if self._world_size() > 1:
-            count = self.trainer.strategy.reduce(count, reduce_op="mean")
-        return count.clamp(min=1)
-
-    def _from_every_rank(self, values: torch.Tensor) -> torch.Tensor | None:
-        """Every rank's 1-D ``values`` (lengths may differ) concatenated; None in one process."""
-        if self._world_size() <= 1:
-            return None
-        counts = self.all_gather(torch.tensor(values.numel(), device=values.device))  # (W,)
-        padded = values.new_zeros(int(counts.max()))
-        padded[: values.numel()] = values
-        every = self.all_gather(padded)  # (W, max count)
-        return torch.cat([row[: int(n)] for row, n in zip(every, counts)])
-
-    def _on_all_ranks(self, flag: bool) -> bool:
-        """``flag`` and-ed over the data-parallel ranks: a decision that changes the number of
-        backward passes (each one a gradient all-reduce under DDP) must be taken by every rank."""
-        if self._world_size() <= 1:
-            return flag
-        return self.trainer.strategy.reduce_boolean_decision(flag, all=True)
 
     # ---------------------------------------------------------------- the adapter
     def on_train_end(self) -> None:
