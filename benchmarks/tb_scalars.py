@@ -43,8 +43,9 @@ def main():
     tags = [t for t in args.tags.split(",") if t in scalars]
     steps = sorted({int(s) for t in tags for s, _ in scalars[t]})
     print("| step | " + " | ".join(tags) + " |\n|" + "---|" * (len(tags) + 1))
+    latest = {t: {int(s): v for s, v in scalars[t]} for t in tags}  # a step logged twice (resume): the later value
     for step in steps:
-        vals = [next((f"{v:.4g}" for s, v in scalars[t] if int(s) == step), "") for t in tags]
+        vals = [f"{latest[t][step]:.4g}" if step in latest[t] else "" for t in tags]
         print(f"| {step} | " + " | ".join(vals) + " |")
 
 
