@@ -53,7 +53,7 @@ def evaluate(model: str, arm: str, data: str, limit, max_new_tokens: int, batch:
     report = json.load(open(os.path.join(trainer.log_dir, "eval", "val_step0.json")))
     m = report["metrics"]["gsm8k"]
     finished = [c["finish"] for c in report["completions"]["gsm8k"]]
-    from qerl.model import base_weight_bytes
+    from qerl.quantize import base_weight_bytes
 
     return {"arm": arm, "dataset": "gsm8k-test", "problems": m["problems"], "pass@1": m["pass@1"],
             "wall_s": round(seconds, 1), "truncated_frac": finished.count("length") / max(1, len(finished)),

@@ -28,7 +28,8 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from qerl.model import LoraSettings, add_lora, quantize_decoder_linears, quantize_decoder_linears_nf4  # noqa: E402
+from qerl.model import LoraSettings, add_lora  # noqa: E402
+from qerl.quantize import quantize_decoder_linears, quantize_decoder_linears_nf4  # noqa: E402
 from qerl.rollout import SamplingSettings  # noqa: E402
 from qerl.rollout.hf import HFEngine  # noqa: E402
 

@@ -9,7 +9,7 @@ on every decoder linear (non-zero B), gradient checkpointing as in the 7B recipe
 process, one after another:
 
 * ``weights_gb`` / ``decoder_linears_gb``: the frozen base's bytes and those of its decoder linears
-  (``qerl.model.base_weight_bytes``: packed for nf4 / nvfp4; embeddings, lm_head and norms in bf16);
+  (``qerl.quantize.base_weight_bytes``: packed for nf4 / nvfp4; embeddings, lm_head and norms in bf16);
 * ``train_step_s`` / ``train_peak_gb``: one LoRA update on ``batch x seq`` tokens -- forward, the
   selected-token log-probs through ``qerl.logprobs.selective_log_softmax`` (as the policy loss), backward,
   AdamW step -- median of 3 after a warm-up, and the peak allocated memory of those steps;
@@ -48,7 +48,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from qerl.logprobs import selective_log_softmax  # noqa: E402
-from qerl.model import base_weight_bytes  # noqa: E402
+from qerl.quantize import base_weight_bytes  # noqa: E402
 from qerl.rollout import SamplingSettings  # noqa: E402
 from qerl.rollout.fast_linears import fused_base_projections  # noqa: E402
 from qerl.rollout.hf import HFEngine  # noqa: E402

@@ -16,7 +16,7 @@ from __future__ import annotations
 from lightning.pytorch.callbacks import ModelSummary, RichModelSummary, RichProgressBar
 from lightning.pytorch.utilities.imports import _RICH_AVAILABLE
 
-from qerl.model import base_weight_bytes, is_lora_parameter
+from qerl.quantize import base_weight_bytes, is_lora_parameter
 
 _Base = RichModelSummary if _RICH_AVAILABLE else ModelSummary
 

@@ -13,7 +13,7 @@ os.environ.setdefault("TORCHAO_FORCE_SKIP_LOADING_SO_FILES", "1")
 
 # bitsandbytes (imported by peft) looks for Hugging Face's `kernels` package at import on AVX512-BF16
 # CPUs, meets this repository's kernels/ on the path and warns; the CPU gemv it wanted is one qerl
-# turns off anyway (qerl.model.quantize_decoder_linears_nf4 keeps bitsandbytes' autograd path).
+# turns off anyway (qerl.quantize.quantize_decoder_linears_nf4 keeps bitsandbytes' autograd path).
 logging.getLogger("bitsandbytes.backends.cpu.ops").addFilter(lambda record: "kernels-community" not in record.getMessage())
 
 __version__ = "0.1.0"

@@ -42,8 +42,9 @@ from qerl.adapter import (  # noqa: F401  (the adapter half of the export, re-ex
     _write_base, check_adapter_dir, checkpoint_base, export_adapter, hf_name, load_adapter, load_adapter_into,
     read_base, same_model,
 )
-from qerl.model import SHARED_SCALE_GROUPS, _parse_dtype, load_policy
+from qerl.model import _parse_dtype, load_policy
 from qerl.nvfp4 import BLOCK_SIZE, NVFP4WeightTensor
+from qerl.quantize import SHARED_SCALE_GROUPS
 from qerl.tiny import TINY_MODEL_NAMES
 
 log = logging.getLogger(__name__)
@@ -120,7 +121,7 @@ def _linear_names(model: nn.Module) -> set[str]:
 def _check_shared_scales(scales: dict[str, torch.Tensor]) -> None:
     """vLLM fuses q/k/v and gate/up into one GEMM with one global scale (the max over the shards),
     so a group whose scales differ would decode its other shards scaled by g_i / g_max: refuse.
-    ``qerl.model`` quantizes each group with one shared scale."""
+    ``qerl.quantize`` quantizes each group with one shared scale."""
     for prefix in scales:
         parent, short = prefix.rpartition(".")[::2]
         for group in SHARED_SCALE_GROUPS:

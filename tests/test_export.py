@@ -28,16 +28,9 @@ from qerl.export import (
     main,
 )
 from qerl.lora_forward import compute_in_activation_dtype
-from qerl.model import (
-    DECODER_LINEARS,
-    SHARED_SCALE_GROUPS,
-    LoraSettings,
-    decoder_layers,
-    load_base_model,
-    load_policy,
-    quantize_decoder_linears,
-)
+from qerl.model import LoraSettings, load_base_model, load_policy
 from qerl.nvfp4 import NVFP4WeightTensor, dequantize_nvfp4
+from qerl.quantize import DECODER_LINEARS, SHARED_SCALE_GROUPS, decoder_layers, quantize_decoder_linears
 
 ROOT = Path(__file__).resolve().parents[1]
 SEED = 1

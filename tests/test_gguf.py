@@ -16,8 +16,9 @@ import torch
 from peft.tuners.lora import Linear as LoraLinear
 from transformers.convert_slow_tokenizer import bytes_to_unicode
 
-from qerl.model import DECODER_LINEARS, LoraSettings, load_base_model, load_policy, load_tokenizer, quantize_decoder_linears
+from qerl.model import LoraSettings, load_base_model, load_policy, load_tokenizer
 from qerl.nvfp4 import NVFP4WeightTensor
+from qerl.quantize import DECODER_LINEARS, quantize_decoder_linears
 from qerl.tiny import CHATML_TEMPLATE, build_tiny_model
 
 MERGES = ["Ġ t", "h e", "Ġt he", "i n", "e r"]

@@ -8,16 +8,9 @@ import torch.nn.functional as F
 from peft import PeftModel
 from peft.tuners.lora import Linear as LoraLinear
 
-from qerl.model import (
-    DECODER_LINEARS,
-    LoraSettings,
-    base_weight_bytes,
-    count_parameters,
-    load_base_model,
-    load_policy,
-    quantize_decoder_linears,
-)
+from qerl.model import LoraSettings, load_base_model, load_policy
 from qerl.nvfp4 import NVFP4WeightTensor
+from qerl.quantize import DECODER_LINEARS, base_weight_bytes, count_parameters, quantize_decoder_linears
 
 ARCHS = ["tiny-qwen2", "tiny-llama"]
 
@@ -167,7 +160,7 @@ def test_nf4_trains_after_a_no_grad_eval_forward():
 
 def test_params4bit_counted_by_quant_state_shape():
     """The same without bitsandbytes: a stand-in ``Params4bit`` (matched by class name, as
-    ``qerl.model`` does) with packed storage counts its ``quant_state.shape``."""
+    ``qerl.quantize`` does) with packed storage counts its ``quant_state.shape``."""
 
     class Params4bit(torch.nn.Parameter):
         pass
@@ -248,7 +241,8 @@ def test_models_qerl_cannot_quantize_whole_and_folders_without_a_tokenizer_fail_
     empty tokenizer and a reshape error deep in the first forward."""
     from transformers import Phi3Config, Phi3ForCausalLM
 
-    from qerl.model import check_decoder_linears, load_tokenizer
+    from qerl.model import load_tokenizer
+    from qerl.quantize import check_decoder_linears
 
     phi3 = Phi3ForCausalLM(Phi3Config(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                                       num_attention_heads=4, num_key_value_heads=4, pad_token_id=0))
@@ -266,7 +260,7 @@ def test_mixture_of_experts_is_refused_and_only_the_decoder_linears_are_quantize
     and the router and the routed experts' fused 3-D weights stayed 16-bit without LoRA, silently."""
     from transformers import Qwen2MoeConfig, Qwen2MoeForCausalLM
 
-    from qerl.model import check_decoder_linears, quantize_decoder_linears_nf4
+    from qerl.quantize import check_decoder_linears, quantize_decoder_linears_nf4
 
     moe = Qwen2MoeForCausalLM(Qwen2MoeConfig(
         vocab_size=128, hidden_size=64, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
@@ -307,7 +301,7 @@ def test_nf4_without_bitsandbytes_is_a_module_not_found_error(monkeypatch):
     """train.py prints ModuleNotFoundError as one line (a plain ImportError was a traceback)."""
     import sys
 
-    from qerl.model import quantize_decoder_linears_nf4
+    from qerl.quantize import quantize_decoder_linears_nf4
 
     monkeypatch.setitem(sys.modules, "bitsandbytes", None)
     with pytest.raises(ModuleNotFoundError, match="nf4 needs bitsandbytes"):

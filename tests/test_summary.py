@@ -6,7 +6,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint, ModelSummary, RichModel
 
 import callbacks.summary as summary
 from lightning_modules.qerl_module import QeRLModule
-from qerl.model import base_weight_bytes
+from qerl.quantize import base_weight_bytes
 from qerl.nvfp4 import NVFP4WeightTensor
 
 

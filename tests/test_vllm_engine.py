@@ -469,7 +469,8 @@ def test_vllm_logprobs_match_the_trainer_gpu(tmp_path):
     """Tiny NVFP4 Qwen2 (dims Marlin accepts) + random LoRA + trained norms (fp32 master weights) +
     AQN noise: vLLM's sampler log-probs vs the trainer's forward on the same tokens, and greedy
     determinism (vllm.md §2, issue #50059)."""
-    from qerl.model import add_lora, quantize_decoder_linears
+    from qerl.model import add_lora
+    from qerl.quantize import quantize_decoder_linears
     from qerl.tiny import build_tiny_tokenizer
 
     base = build_tiny_model("qwen2", hidden_size=256, intermediate_size=512, num_heads=2, num_kv_heads=1,

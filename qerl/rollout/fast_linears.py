@@ -13,7 +13,7 @@ only; training and the reference pass keep the model's adapter forwards (peft's 
   model's q, k and v then read column slices of that output. Why: the separate launches are small
   and latency-bound (7B k/v: 512 rows each), and the kernels' pinned configs are tuned for the
   concatenated shapes (``kernels/presets_h200.json``: qkv N = 4608, gate_up N = 37888), which is
-  also what vLLM runs. q/k/v and gate/up already share one NVFP4 per-tensor scale (``qerl.model``).
+  also what vLLM runs. q/k/v and gate/up already share one NVFP4 per-tensor scale (``qerl.quantize``).
 
   No weight is copied for it: the first time, each group's packed codes and block scales (or
   16-bit weights) are concatenated once and every member's weight becomes a row-slice view of that
