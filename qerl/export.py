@@ -16,36 +16,29 @@ model exports its base (``base_layer`` weights, prefixes stripped, no ``lora_`` 
 adapter in ``<out>/adapter``. Norms are written as they currently are in the model (trained, when
 ``trainable_norms`` is on; AQN noise lives outside the weights and is never exported).
 
-CLI: ``python -m qerl.export --model tiny-qwen2 --format nvfp4 --out DIR [--adapter PATH]``.
+CLI: ``python -m qerl.export --model tiny-qwen2 --format nvfp4 --out DIR [--adapter PATH]``
+(``qerl.export_cli``: its arguments, checks and the base an adapter trained on).
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import logging
-import pickle
-import re
-import shutil
-import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
 import torch.nn as nn
-from safetensors import SafetensorError
 from safetensors.torch import save_file
 from transformers import PreTrainedTokenizerBase
 
 from qerl.adapter import (  # noqa: F401  (the adapter half of the export, re-exported here)
-    BASE_FILE, TRAINABLE_NORMS_FILE, _hf_model, _is_adapter, _is_peft, _load_checkpoint, adapter_from_checkpoint,
-    _write_base, check_adapter_dir, checkpoint_base, export_adapter, hf_name, load_adapter, load_adapter_into,
-    read_base, same_model,
+    BASE_FILE, TRAINABLE_NORMS_FILE, _hf_model, _is_adapter, _is_peft, adapter_from_checkpoint, check_adapter_dir,
+    checkpoint_base, export_adapter, hf_name, load_adapter, load_adapter_into, read_base, same_model,
 )
-from qerl.model import _parse_dtype, load_policy
+from qerl.model import _parse_dtype
 from qerl.nvfp4 import BLOCK_SIZE, NVFP4WeightTensor
 from qerl.quantize import SHARED_SCALE_GROUPS
-from qerl.tiny import TINY_MODEL_NAMES
 
 log = logging.getLogger(__name__)
 
@@ -227,245 +220,8 @@ def export_bf16(model: nn.Module, tokenizer: PreTrainedTokenizerBase | None, out
     return out
 
 
-_CLI_EPILOG = """\
-writes into --out: config.json (+ quantization_config for nvfp4), model.safetensors (or shards +
-index), generation_config.json, the tokenizer, and with --adapter: adapter/ (peft adapter_model.
-safetensors + adapter_config.json, plus trainable_norms.safetensors when norms were trained).
---adapter may also be a training checkpoint (.ckpt, e.g. checkpoints/<run>/last.ckpt); --format adapter
-writes only its adapter into --out (no --model needed, nothing loaded but the checkpoint).
+if __name__ == "__main__":  # the command line is qerl.export_cli's (imported here only: it imports this module)
+    from qerl.export_cli import main
 
-examples:
-  python -m qerl.export --model Qwen/Qwen2.5-7B-Instruct --format nvfp4 --out exports/q7b-nvfp4 --device cuda
-  python -m qerl.export --model Qwen/Qwen2.5-7B-Instruct --adapter logs/run/version_0/adapter --out exports/rl
-  vllm serve exports/rl --enable-lora --max-lora-rank 32 --lora-modules policy=exports/rl/adapter
-  python -m qerl.export --format adapter --adapter checkpoints/run/last.ckpt --out exports/rl-step600
-"""
-
-
-def _check_paths(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
-    """Refuse, before minutes of loading, an output that would clobber the input or an earlier export."""
-    out = Path(args.out).expanduser().resolve()
-    is_ckpt = str(args.adapter or "").endswith(".ckpt")
-    if args.format == "adapter" and not is_ckpt:
-        parser.error("--format adapter converts a training checkpoint: pass --adapter PATH.ckpt")
-    if args.format != "adapter" and not args.model:
-        parser.error("--model is required (unless --format adapter)")
-    if is_ckpt and not Path(args.adapter).is_file():
-        parser.error(f"--adapter {args.adapter}: no such checkpoint file")
-    model_path = Path(args.model).expanduser() if args.model else None
-    if model_path is not None and model_path.exists() and model_path.resolve() in (out, *out.parents):
-        parser.error(f"--out {args.out} would overwrite the model being exported ({args.model})")
-    if out.is_file():  # (--overwrite replaces an earlier export folder, never a file)
-        parser.error(f"--out {args.out} is a file: give a folder (new, empty, or an earlier export with --overwrite)")
-    if out.is_dir() and any(out.iterdir()) and not args.overwrite:
-        parser.error(f"--out {args.out} exists and is not empty (pass --overwrite to replace an earlier export)")
-    foreign = sorted(p.name for p in out.iterdir() if not _written_by_export(p)) if out.is_dir() else []
-    if foreign:  # (a run's log folder, say: its adapter/ would go with the export's)
-        parser.error(f"--out {args.out} holds files no export writes ({', '.join(foreign[:3])}"
-                     f"{', ...' if len(foreign) > 3 else ''}): --overwrite replaces only an earlier export")
-    if args.adapter and not is_ckpt:
-        try:  # (its config, and the LoRA tensors beside it: without them peft would look on the hub)
-            check_adapter_dir(args.adapter)
-        except ValueError as err:
-            parser.error(f"--{err}")  # "--adapter PATH: ..."
-    if args.device.startswith("cuda") and not torch.cuda.is_available():
-        parser.error(f"--device {args.device}, but this machine has no CUDA device (torch {torch.__version__})")
-    if args.from_trained_base and (args.format != "bf16" or not args.adapter):
-        parser.error("--from-trained-base goes with --format bf16 and an --adapter")
-    if args.from_trained_base and args.from_nvfp4:
-        parser.error("--from-nvfp4 or --from-trained-base: one base, not both")
-
-
-# What an export writes, all of which --overwrite replaces: the checkpoint, its config and tokenizer,
-# the adapter (in adapter/, or at the top with --format adapter) and what qerl writes beside it.
-_EXPORT_FILE = re.compile(
-    r"model(-\d+-of-\d+)?\.safetensors|model\.safetensors\.index\.json|(generation_)?config\.json"
-    r"|tokenizer(_config)?\.json|tokenizer\.model|special_tokens_map\.json|vocab\.json|merges\.txt"
-    r"|added_tokens\.json|chat_template\.jinja|adapter_config\.json|adapter_model\.safetensors"
-    rf"|{re.escape(TRAINABLE_NORMS_FILE)}|{re.escape(BASE_FILE)}|README\.md")
-# ... and its folders: the adapter, and the named chat templates transformers 5 writes beside a
-# tokenizer that has several (``additional_chat_templates/<name>.jinja``)
-_EXPORT_DIRS = (ADAPTER_SUBDIR, "additional_chat_templates")
-
-
-def _written_by_export(path: Path) -> bool:
-    return (path.is_dir() and path.name in _EXPORT_DIRS) or (path.is_file() and bool(_EXPORT_FILE.fullmatch(path.name)))
-
-
-def _clear_earlier_export(out: Path) -> None:
-    """Remove what an earlier export left in ``out`` (``_check_paths`` refused anything else), so an
-    export of another format leaves no stale adapter or shard that a loader would pick up."""
-    for path in out.iterdir() if out.is_dir() else []:
-        if _written_by_export(path):
-            shutil.rmtree(path) if path.is_dir() else path.unlink()
-
-
-def _replace_export(out: Path, write) -> Path:
-    """``write(folder)`` into a new folder beside ``out``; only once it succeeded, the earlier export in
-    ``out`` (``_check_paths`` refused anything else) is removed and the new files moved in: an
-    unreadable checkpoint or a failed export leaves the earlier one as it was."""
-    out = out.expanduser()
-    out.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(prefix=f".{out.name}.", dir=out.parent) as tmp:
-        write(Path(tmp))
-        _clear_earlier_export(out)
-        out.mkdir(exist_ok=True)
-        for path in Path(tmp).iterdir():
-            shutil.move(str(path), str(out / path.name))
-    return out
-
-
-# What an unreadable or foreign --adapter checkpoint raises (a one-line CLI error).
-_CHECKPOINT_ERRORS = (OSError, RuntimeError, ValueError, TypeError, KeyError, pickle.UnpicklingError)
-
-
-def _read_checkpoint(parser: argparse.ArgumentParser, path: str) -> dict:
-    """:func:`_load_checkpoint` with an unreadable or foreign checkpoint as a one-line CLI error."""
-    try:
-        return _load_checkpoint(path)
-    except _CHECKPOINT_ERRORS as err:
-        parser.error(f"cannot read the adapter of --adapter {path}: {err}")
-
-
-def _checkpoint_adapter(parser: argparse.ArgumentParser, path: str, out: str | Path, ckpt: dict | None = None) -> Path:
-    """:func:`adapter_from_checkpoint` (of ``ckpt`` when already read) with an unreadable or foreign
-    checkpoint as a one-line CLI error."""
-    try:
-        return adapter_from_checkpoint(path if ckpt is None else ckpt, out)
-    except _CHECKPOINT_ERRORS as err:
-        parser.error(f"cannot read the adapter of --adapter {path}: {err}")
-
-
-def _check_trained_base(parser: argparse.ArgumentParser, args: argparse.Namespace, trained_on: str | None,
-                        strict: bool) -> None:
-    """--model against the base the adapter records having been trained on. With ``strict`` (a training
-    checkpoint's ``model``), two different tiny models are an error: the same shapes, other weights.
-    Any other difference is a warning, as it may be the same model by another name (a local copy of
-    a hub id); an adapter that does not fit --model's linears is refused when it loads."""
-    if not trained_on or same_model(trained_on, args.model):
-        return
-    if strict and trained_on in TINY_MODEL_NAMES and args.model in TINY_MODEL_NAMES:
-        parser.error(f"--model {args.model}, but --adapter {args.adapter} was trained on {trained_on}")
-    log.warning("--model %s, but --adapter %s was trained on %s: exporting it onto --model (are they the same "
-                "model?)", args.model, args.adapter, trained_on)
-
-
-def _base_quantization(args: argparse.Namespace, trained: str | None) -> str:
-    """How to load --model: ``nvfp4`` for an NVFP4 export; for a dense one the original weights, or the
-    base the adapter trained on, dequantized (``--from-trained-base``; ``--from-nvfp4``: NVFP4's).
-    ``trained``: the quantization the adapter records (None: not recorded)."""
-    if args.format == "nvfp4":
-        if args.adapter and trained in ("bf16", "nf4"):
-            log.warning("--adapter was trained on the %s base: in an NVFP4 export it runs on other weights than it "
-                        "trained on (--format bf16 --from-trained-base exports that base)", trained)
-        return "nvfp4"
-    if args.from_nvfp4:
-        if args.adapter and trained not in (None, "nvfp4"):
-            log.warning("--from-nvfp4: the adapter was trained on the %s base, and runs here on NVFP4 weights "
-                        "(--from-trained-base exports the base it trained on)", trained)
-        return "nvfp4"
-    if args.from_trained_base:
-        return trained or "nvfp4"  # not recorded: the default arm's
-    if args.adapter and trained != "bf16":
-        what = f"the {trained.upper()} base" if trained else "a base it does not record (NVFP4, the default arm?)"
-        log.warning("--format bf16 --adapter: the adapter was trained on %s; --from-trained-base exports that base "
-                    "(dequantized) instead of the original 16-bit weights", what)
-    return "bf16"
-
-
-def _base_settings(parser: argparse.ArgumentParser, args: argparse.Namespace,
-                   ckpt: dict | None) -> tuple[str, int, str | None]:
-    """(dtype, seed, quantization) of the base the adapter trained on, once --model is checked against
-    the adapter's recorded base (quantization None: not recorded); ``ckpt``: the --adapter training
-    checkpoint, read.
-    With a training checkpoint, or an adapter directory qerl wrote (``qerl_base.json``), the run's:
-    NVFP4 codes of weights loaded (a .gguf dequantized) or randomly initialised in another dtype
-    differ, and a tiny model's weights are its seed's; ``--dtype`` then casts only the dense tensors
-    written."""
-    seed = 0 if args.seed is None else args.seed
-    if not args.adapter:
-        return args.dtype, seed, None
-    if ckpt is not None:
-        base = checkpoint_base(ckpt)
-    else:  # a peft adapter directory (checked by _check_paths)
-        try:
-            config = json.loads((Path(args.adapter) / "adapter_config.json").read_text())
-            base = read_base(args.adapter)
-        except (OSError, ValueError) as err:
-            parser.error(f"cannot read --adapter {args.adapter}: {err}")
-        if base is None:  # not written by qerl: only peft's record of the base's name
-            _check_trained_base(parser, args, config.get("base_model_name_or_path") if isinstance(config, dict) else None,
-                                strict=False)
-            return args.dtype, seed, None
-    dtype, quantization = base.get("dtype") or args.dtype, base.get("quantization")
-    _check_trained_base(parser, args, base.get("model"), strict=True)
-    if args.model not in TINY_MODEL_NAMES or (base.get("model") or args.model) != args.model:
-        return dtype, seed, quantization  # the run's seed built another model
-    trained = base.get("seed")
-    if trained is None:
-        if args.seed is None:
-            log.warning("%s does not record its tiny model's seed: building seed 0 (else pass --seed)", args.adapter)
-        return dtype, seed, quantization
-    if args.seed is not None and args.seed != trained:
-        parser.error(f"--seed {args.seed}, but --adapter {args.adapter} was trained on {args.model} of seed {trained}")
-    return dtype, int(trained), quantization
-
-
-def main(argv: list[str] | None = None) -> Path:
-    parser = argparse.ArgumentParser(prog="python -m qerl.export", description=__doc__.split("\n\n")[0],
-                                     epilog=_CLI_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", help="tiny-qwen2 | tiny-llama | model dir | HF id | .gguf")
-    parser.add_argument("--format", choices=["nvfp4", "bf16", "adapter"], default="nvfp4",
-                        help="adapter: only the adapter of the --adapter checkpoint")
-    parser.add_argument("--out", required=True, help="output directory (new or empty, or see --overwrite)")
-    parser.add_argument("--overwrite", action="store_true", help="replace the export already in --out")
-    parser.add_argument("--adapter", default=None,
-                        help="peft adapter dir (written by export_adapter / save_pretrained) or a training .ckpt")
-    parser.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"],
-                        help="dtype of the dense tensors (a training .ckpt's base is built in its own dtype first; "
-                             "fp32 keeps an fp32 run's exactly)")
-    parser.add_argument("--device", default="cpu", help="where to quantize (cuda is faster for big models)")
-    parser.add_argument("--from-nvfp4", action="store_true",
-                        help="with --format bf16: export the dequantized NVFP4 weights instead of the originals")
-    parser.add_argument("--from-trained-base", action="store_true",
-                        help="with --format bf16 --adapter: export the base the adapter trained on (NVFP4 or NF4 "
-                             "dequantized, bf16 as is), so the export gives the trained model's outputs")
-    parser.add_argument("--seed", type=int, default=None,
-                        help="seed of the tiny random models (default: a training .ckpt's, else 0)")
-    args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    _check_paths(parser, args)
-    if args.format == "adapter":
-        out = _replace_export(Path(args.out), lambda tmp: _checkpoint_adapter(parser, args.adapter, tmp))
-        print(out)
-        return out
-    ckpt = _read_checkpoint(parser, args.adapter) if str(args.adapter or "").endswith(".ckpt") else None  # (once)
-    base_dtype, seed, trained_quantization = _base_settings(parser, args, ckpt)
-    quantization = _base_quantization(args, trained_quantization)
-    try:
-        model, tokenizer = load_policy(args.model, quantization, None, dtype=base_dtype, device=args.device, seed=seed)
-    except (OSError, ValueError, ImportError) as err:  # unknown model path / id, unreadable GGUF, nf4 without its library
-        parser.error(f"cannot load --model {args.model} as {quantization}: {err}")
-    if args.adapter:
-        with tempfile.TemporaryDirectory() as tmp:
-            try:  # an adapter that does not fit --model (trained on another base): one line
-                adapter = args.adapter if ckpt is None else _checkpoint_adapter(parser, args.adapter, tmp, ckpt)
-                model = load_adapter(model, adapter)
-            except (ValueError, OSError, SafetensorError) as err:  # (a file that cannot be read: named by err)
-                parser.error(f"cannot load --adapter {args.adapter} onto --model {args.model}: "
-                             f"{' '.join(str(err).split())}")
-    export = export_nvfp4 if args.format == "nvfp4" else export_bf16
-
-    def write(tmp: Path) -> None:
-        export(model, tokenizer, tmp, dtype=args.dtype)
-        if args.adapter and (tmp / ADAPTER_SUBDIR).is_dir():  # for a later export: the base the adapter
-            # trained on (an export onto another base does not change that)
-            _write_base(tmp / ADAPTER_SUBDIR, {"model": args.model, "dtype": base_dtype, "seed": seed,
-                                               "quantization": trained_quantization})
-    out = _replace_export(Path(args.out), write)
-    print(out)
-    return out
-
-
-if __name__ == "__main__":
     main()
+

@@ -25,8 +25,8 @@ from qerl.export import (
     hf_name,
     load_adapter,
     load_adapter_into,
-    main,
 )
+from qerl.export_cli import main
 from qerl.lora_forward import compute_in_activation_dtype
 from qerl.model import LoraSettings, load_base_model, load_policy
 from qerl.nvfp4 import NVFP4WeightTensor, dequantize_nvfp4
@@ -408,7 +408,7 @@ def test_cli_exports_the_base_each_arm_trained_on(tmp_path, caplog, quantization
     with torch.no_grad():
         torch.testing.assert_close(served(_ids()).logits, model(_ids()).logits, rtol=0, atol=1e-5)
     caplog.clear()
-    with caplog.at_level(logging.WARNING, logger="qerl.export"):
+    with caplog.at_level(logging.WARNING, logger="qerl.export_cli"):
         main(["--model", "tiny-qwen2", "--format", "bf16", "--adapter", str(tmp_path / "adapter"),
               "--out", str(tmp_path / "orig")])
         main(["--model", "tiny-qwen2", "--adapter", str(tmp_path / "adapter"), "--out", str(tmp_path / "nvfp4")])

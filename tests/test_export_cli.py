@@ -8,7 +8,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from qerl.export import ADAPTER_SUBDIR, TRAINABLE_NORMS_FILE, export_adapter, load_adapter, main
+from qerl.export import ADAPTER_SUBDIR, TRAINABLE_NORMS_FILE, export_adapter, load_adapter
+from qerl.export_cli import main
 from qerl.lora_forward import compute_in_activation_dtype
 from qerl.model import LoraSettings, load_policy
 
@@ -112,11 +113,11 @@ _BROKEN = [("missing", "adapter_config.json but no adapter_model.safetensors or 
 def test_cli_names_a_missing_or_unreadable_adapter_file(tmp_path, capsys, monkeypatch, adapter_dir, how, problem):
     """No traceback and no hub lookup (peft takes a folder without adapter_model.* for a repo id): one
     error line naming the file; a missing one is found before the model loads."""
-    import qerl.export
+    import qerl.export_cli
 
     broken = _broken_copy(adapter_dir, tmp_path / "adapter", how)
     if how == "missing":
-        monkeypatch.setattr(qerl.export, "load_policy", lambda *a, **k: pytest.fail("loaded before checking"))
+        monkeypatch.setattr(qerl.export_cli, "load_policy", lambda *a, **k: pytest.fail("loaded before checking"))
     with pytest.raises(SystemExit) as exc:
         main(["--model", "tiny-qwen2", "--adapter", str(broken), "--out", str(tmp_path / "out")])
     err = capsys.readouterr().err
