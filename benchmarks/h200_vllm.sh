@@ -89,13 +89,13 @@ for stage in "$@"; do
       # below Marlin's minimum), accuracy reward only: a random model scores 0 everywhere, so every step
       # drops its groups and refills, each refill round in the same awake vLLM (one sleep per step)
       python3 -c "import yaml; c = yaml.safe_load(open('configs/quickstart.yaml'))
-c['trainer'].update(accelerator='gpu', max_steps=4, limit_val_batches=0)
+c['trainer'].update(accelerator='gpu', max_steps=5, limit_val_batches=0)
 c['model'].update(quantization='bf16', dtype='bf16')
 for cb in c['trainer']['callbacks']:
     if cb['class_path'].endswith('RolloutCallback'):
         a = cb['init_args']; a.pop('overlong_buffer'); a.pop('overlong_penalty')
         a.update(engine='vllm', dynamic_sampling=True, max_refill_rounds=2, reward={'class_path': 'qerl.rewards.MathAccuracy'},
-                 vllm={'gpu_memory_utilization': 0.2, 'max_model_len': 256})
+                 vllm={'gpu_memory_utilization': 0.2, 'max_model_len': 512})
 yaml.safe_dump(c, open('/tmp/dapofit.yaml', 'w'))"
       rm -rf logs/dapofit
       timeout ${DAPOFIT_TIMEOUT:-240} python3 train.py fit --config /tmp/dapofit.yaml \
