@@ -15,10 +15,19 @@ DEFAULT_TAGS = ("train/reward", "train/entropy", "train/is_ratio/mean", "aqn/sig
                 "time/sync", "time/generate", "time/train")
 
 
+def _created(path: str) -> tuple[float, str]:
+    """An event file's creation time: the Unix time in its name (events.out.tfevents.<time>.<host>...)."""
+    try:
+        return float(os.path.basename(path).split(".")[3]), path
+    except (IndexError, ValueError):
+        return os.path.getmtime(path), path
+
+
 def read_scalars(log_dir: str) -> dict[str, list[list[float]]]:
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    files = sorted(glob.glob(os.path.join(log_dir, "**", "events.out.tfevents.*"), recursive=True))
+    files = sorted(glob.glob(os.path.join(log_dir, "**", "events.out.tfevents.*"), recursive=True),
+                   key=_created)  # oldest first (version_10 after version_2): a re-logged step's later value wins
     if not files:
         raise SystemExit(f"no TensorBoard event file under {log_dir}")
     out: dict[str, list[list[float]]] = {}

@@ -268,9 +268,10 @@ def main():
                 "vs_unfused": next((b for b in rows if same(b, fused_ops=False)), None),
                 "vs_unfused_projections": next((b for b in rows if same(b, fused_projections=False)), None)}
         for name, ref in refs.items():
-            if ref is not None:  # generation ignores lora_compute (the engine always runs the model's dtype)
+            if ref is not None:  # generation is measured once per model (it ignores lora_compute and the
+                # fused training settings): only another arm has a generation ratio
                 r[name] = {k: r[k] / ref[k] for k in keys if r[k] is not None and ref[k]
-                           and not (name == "vs_stored" and k == "gen_tok_s")}
+                           and (name == "vs_bf16" or k != "gen_tok_s")}
                 print(f"{r['arm']} lora {r['lora_compute']} fused {r['fused_ops']} proj {r['fused_projections']} {name}: "
                       + ", ".join(f"{k} {v:.2f}" for k, v in r[name].items()))
     meta = {"device": torch.cuda.get_device_name() if device == "cuda" else "cpu", "torch": torch.__version__,

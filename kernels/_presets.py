@@ -1,4 +1,4 @@
-"""Pinned kernel configs (``kernels/presets_h200.json``): the Qwen2.5-7B / 32B linear shapes on the H200.
+"""Pinned kernel configs (``kernels/presets_h200.json``): the Qwen2.5 0.5B / 1.5B / 3B / 7B / 32B linear shapes on the H200.
 
 Winners of the graph-timed tuner (``kernels._launch.tune``), written by
 ``python benchmarks/kernels.py --tune --write-presets kernels/presets_h200.json``, keyed by

@@ -123,7 +123,7 @@ def _check_shared_scales(scales: dict[str, torch.Tensor]) -> None:
             vals = [scales.get(f"{parent}.{g}") for g in group]
             if all(v is not None for v in vals) and not all(torch.equal(vals[0], v) for v in vals[1:]):
                 raise ValueError(f"{parent}.{{{','.join(group)}}} have different per-tensor scales; vLLM fuses them "
-                                 "with one (max) scale: quantize them with a shared one (qerl.model does)")
+                                 "with one (max) scale: quantize them with a shared one (qerl.quantize does)")
 
 
 def _write_safetensors(entries: dict[str, Entry], out: Path, max_shard_bytes: int) -> None:
