@@ -286,6 +286,24 @@ def _choose(op, a, qdata, scale, pts, out) -> Config:
     return _TUNED[key]
 
 
+def weight_copies(qdata, scale, copy_bytes=2e8, max_copies=511):
+    """``[(qdata, scale)]`` plus copies of them, ~``copy_bytes`` in all (capped at 10% of the free
+    device memory and ``max_copies``), for the tuner to rotate over. The copies are slices of one
+    buffer per tensor: one large-pool allocation each, returned whole when the tuner drops them (a
+    0.45 MB weight needs ~440 copies; as separate clones they would fill the small pool)."""
+    if qdata.is_cuda:
+        copy_bytes = min(copy_bytes, 0.1 * torch.cuda.mem_get_info(qdata.device)[0])
+    nbytes = qdata.numel() * qdata.element_size() + scale.numel() * scale.element_size()
+    n = max(0, min(max_copies, int(copy_bytes // nbytes)))
+    if n == 0:
+        return [(qdata, scale)]
+    qbuf = qdata.new_empty((n, *qdata.shape))
+    qbuf.copy_(qdata.expand_as(qbuf))
+    sbuf = scale.new_empty((n, *scale.shape))
+    sbuf.copy_(scale.expand_as(sbuf))
+    return [(qdata, scale)] + [(qbuf[i], sbuf[i]) for i in range(n)]
+
+
 def tune(op, a, qdata, scale, pts, out, cands, copy_bytes=2e8, reps=7):
     """Time each candidate; returns [(ms, cfg)] fastest first.
 
@@ -294,13 +312,11 @@ def tune(op, a, qdata, scale, pts, out, cands, copy_bytes=2e8, reps=7):
     that fits in the 60 MB L2 is not timed from cache. Configs that fail (e.g. shared memory) are
     skipped.
     """
-    nbytes = qdata.numel() + scale.numel()
-    n_copies = max(0, min(511, int(copy_bytes // nbytes)))  # by bytes: a 0.45 MB weight gets ~440
-    weights = [(qdata, scale)]
     try:
-        weights += [(qdata.clone(), scale.clone()) for _ in range(n_copies)]
+        weights = weight_copies(qdata, scale, copy_bytes)
     except torch.cuda.OutOfMemoryError:  # at peak training memory: time from the one weight (L2-warm)
         torch.cuda.empty_cache()
+        weights = [(qdata, scale)]
     n_launch = max(len(weights), 4)
     res = []
     for c in cands:

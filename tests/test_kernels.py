@@ -126,6 +126,24 @@ def test_split_counters_are_not_first_made_inside_graph_capture(monkeypatch):
         L._counters(torch.device("cuda", 0), 10)
 
 
+def test_tuner_weight_copies_are_equal_slices_of_one_buffer_sized_by_bytes():
+    """The tuner times a small weight over enough copies to leave the 60 MB L2 (by bytes, not a
+    fixed count), held in one buffer per tensor rather than hundreds of small-pool clones."""
+    from kernels._launch import weight_copies
+
+    q = torch.randint(0, 256, (896, 448), dtype=torch.uint8)         # the 0.5B o_proj, packed
+    s = torch.randn(896, 56).to(torch.float8_e4m3fn)
+    weights = weight_copies(q, s, copy_bytes=2e8)
+    assert len(weights) - 1 == int(2e8 // (q.numel() + s.numel()))   # ~440 copies, ~0.2 GB
+    assert weights[0][0] is q and weights[0][1] is s
+    for wq, ws in weights[1:]:
+        assert wq.is_contiguous() and ws.is_contiguous() and wq.shape == q.shape and ws.dtype == s.dtype
+        assert torch.equal(wq, q) and torch.equal(ws.view(torch.uint8), s.view(torch.uint8))
+    assert len({ws.untyped_storage().data_ptr() for _, ws in weights[1:]}) == 1
+    assert len(weight_copies(q, s, copy_bytes=1e3)) == 1                  # too few bytes: the weight alone
+    assert len(weight_copies(torch.zeros(16, 8, dtype=torch.uint8), torch.zeros(16, 1), copy_bytes=1e9)) == 512
+
+
 def test_autotune_with_every_candidate_failing_falls_back_to_the_default(monkeypatch):
     """tune() skips candidates that fail (out of memory at peak training memory): with none left the
     default config runs (and is kept, so the failing tune is not repeated every call) instead of an
