@@ -297,11 +297,16 @@ def weight_copies(qdata, scale, copy_bytes=2e8, max_copies=511):
     n = max(0, min(max_copies, int(copy_bytes // nbytes)))
     if n == 0:
         return [(qdata, scale)]
-    qbuf = qdata.new_empty((n, *qdata.shape))
-    qbuf.copy_(qdata.expand_as(qbuf))
-    sbuf = scale.new_empty((n, *scale.shape))
-    sbuf.copy_(scale.expand_as(sbuf))
-    return [(qdata, scale)] + [(qbuf[i], sbuf[i]) for i in range(n)]
+    return [(qdata, scale)] + list(zip(_aligned_copies(qdata, n), _aligned_copies(scale, n)))
+
+
+def _aligned_copies(t, n):
+    """``n`` contiguous copies of ``t`` in one buffer, each starting 256 bytes after a multiple of
+    256 from the buffer's start (as separate allocations would: the kernels load 16 bytes wide)."""
+    per = -(-t.numel() * t.element_size() // 256) * 256 // t.element_size()   # elements per slot
+    rows = t.new_empty((n, per))
+    rows[:, : t.numel()].copy_(t.reshape(1, -1).expand(n, -1))
+    return [rows[i, : t.numel()].view(t.shape) for i in range(n)]
 
 
 def tune(op, a, qdata, scale, pts, out, cands, copy_bytes=2e8, reps=7):

@@ -140,6 +140,10 @@ def test_tuner_weight_copies_are_equal_slices_of_one_buffer_sized_by_bytes():
         assert wq.is_contiguous() and ws.is_contiguous() and wq.shape == q.shape and ws.dtype == s.dtype
         assert torch.equal(wq, q) and torch.equal(ws.view(torch.uint8), s.view(torch.uint8))
     assert len({ws.untyped_storage().data_ptr() for _, ws in weights[1:]}) == 1
+    odd_q, odd_s = torch.randint(0, 256, (5, 40), dtype=torch.uint8), torch.randn(5, 5).to(torch.float8_e4m3fn)
+    for wq, ws in weight_copies(odd_q, odd_s, copy_bytes=1e3)[1:]:  # 200 + 25 bytes: every copy 256-aligned
+        assert (wq.data_ptr() - wq.untyped_storage().data_ptr()) % 256 == 0 and torch.equal(wq, odd_q)
+        assert (ws.data_ptr() - ws.untyped_storage().data_ptr()) % 256 == 0 and ws.is_contiguous()
     assert len(weight_copies(q, s, copy_bytes=1e3)) == 1                  # too few bytes: the weight alone
     assert len(weight_copies(torch.zeros(16, 8, dtype=torch.uint8), torch.zeros(16, 1), copy_bytes=1e9)) == 512
 
