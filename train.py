@@ -9,10 +9,11 @@ import sys
 
 import torch
 from lightning.fabric.utilities.exceptions import MisconfigurationException
-from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
+from lightning.pytorch.cli import LightningArgumentParser, LightningCLI, SaveConfigCallback
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from lightning_modules.data import PromptDataModule
+from lightning_modules.evaluation import claim_unused_path
 from lightning_modules.qerl_module import QeRLModule
 
 
@@ -98,6 +99,26 @@ class QeRLCLI(LightningCLI):
             check_ckpt_path(subcommand, config.get("ckpt_path"), checkpoint_dirs(config))
 
 
+class SaveRunConfig(SaveConfigCallback):
+    """The run's config next to its logs. With a logger every run has its own ``version_N`` folder;
+    without one (``trainer.logger: false``) runs share the working directory, so a second run writes
+    ``config-1.yaml`` instead of replacing the first run's ``config.yaml`` (as its adapter and
+    reports get ``-1`` names)."""
+
+    def setup(self, trainer, pl_module, stage: str) -> None:
+        if not self.already_saved and self.save_to_log_dir and trainer.logger is None:
+            log_dir = trainer.log_dir
+            stem = os.path.splitext(self.config_filename)[0]
+            name = None
+            if trainer.is_global_zero:
+                name = os.path.basename(claim_unused_path(os.path.join(log_dir, stem), ".yaml")) + ".yaml"
+                if name != self.config_filename:
+                    logging.getLogger("qerl").warning(f"{os.path.join(log_dir, self.config_filename)} holds an "
+                                                      f"earlier run's config: this run's is {name}")
+            self.config_filename = trainer.strategy.broadcast(name)
+        super().setup(trainer, pl_module, stage)
+
+
 def main(args=None, run: bool = True) -> LightningCLI:
     # our INFO lines (base weight bytes and trainable parameters, data set sizes, vLLM start) on stderr
     for name in ("qerl", "lightning_modules", "callbacks"):
@@ -110,7 +131,8 @@ def main(args=None, run: bool = True) -> LightningCLI:
     return QeRLCLI(
         QeRLModule,
         PromptDataModule,
-        save_config_kwargs={"overwrite": True},
+        save_config_callback=SaveRunConfig,
+        save_config_kwargs={"overwrite": True},  # (a logger's version_N folder is new; without one: SaveRunConfig)
         parser_class=QeRLParser,
         args=args,
         run=run,

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 import torch
+from lightning.pytorch.utilities import rank_zero_warn
 
 from qerl.metrics import PassAtK
 from qerl.model import base_model_only
@@ -161,6 +162,10 @@ class EvaluationMixin:
         return list(names) if names else ["default"]
 
     def _start_eval(self, stage: str) -> None:
+        label = self._adapter_label()
+        if label.startswith("untrained") and not getattr(self, "_said_untrained", False):
+            self._said_untrained = True  # validate / test with neither --ckpt_path nor model.adapter_path
+            rank_zero_warn(f"{stage}: no --ckpt_path or model.adapter_path, so this evaluates an {label}")
         self._evaluation_scorer = MathAccuracy()
         self._evaluating_engine = self._eval_engine()  # synced once per evaluation
         self._engine_awake = contextlib.ExitStack()  # vLLM: no sleep between batches, once after
