@@ -11,6 +11,7 @@ completions, extracted answers and rewards goes to TensorBoard's Text tab (``com
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import sys
 import time
@@ -19,6 +20,7 @@ from typing import Literal
 import lightning as L
 import torch
 from lightning.pytorch.loggers import TensorBoardLogger
+from lightning.pytorch.utilities import rank_zero_warn
 
 from qerl.losses import groups_with_signal, overlong_penalty
 from qerl.rewards import MathAccuracy, RewardFunction, extract_answer
@@ -178,11 +180,23 @@ class RolloutCallback(L.Callback):
                                  "raise vllm.max_model_len, or lower the other two (data.max_eval_prompt_length "
                                  "caps evaluation prompts)")
 
+    def rollout_settings(self) -> dict:
+        """What shapes the completions a step learns from (saved with checkpoints, compared on resume)."""
+        return {"reward": type(self.reward).__name__, "group_size": self.group_size,
+                "sampling": dataclasses.asdict(self.sampling), "engine": self.engine_name,
+                "dynamic_sampling": self.dynamic_sampling, "max_refill_rounds": self.max_refill_rounds,
+                "overlong_buffer": self.overlong_buffer, "overlong_penalty": self.overlong_penalty}
+
     def state_dict(self) -> dict:
-        return {"seed": self.seed}
+        return {"seed": self.seed, "settings": self.rollout_settings()}
 
     def load_state_dict(self, state_dict: dict) -> None:
         warn_if_seed_changed("RolloutCallback (the sampler)", state_dict.get("seed"), self.seed)
+        saved, now = state_dict.get("settings") or {}, self.rollout_settings()
+        changed = {k: (saved[k], v) for k, v in now.items() if k in saved and saved[k] != v}
+        if changed:  # the config runs (as for the model's settings); the curves change meaning here
+            rank_zero_warn(f"RolloutCallback: resumed with other rollout settings than the checkpoint's "
+                           f"(checkpoint -> now): {changed}")
 
     # ------------------------------------------------------------------ the rollout
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:

@@ -353,6 +353,7 @@ class PromptDataModule(L.LightningDataModule):
             "batch_in_epoch": b,
             "batches_consumed": self._batches_consumed,
             "seed": self.seed,
+            "train_source": str(self.train_source),
             "prompts_per_step": self.prompts_per_step,
             "num_train_prompts": n,
             "world_size": self._rank_world()[1],
@@ -368,8 +369,8 @@ class PromptDataModule(L.LightningDataModule):
         meta, self._loaded_meta = self._loaded_meta, None
         if not meta:
             return
-        now = {"seed": self.seed, "prompts_per_step": self.prompts_per_step, "num_train_prompts": num_prompts,
-               "world_size": world_size}
+        now = {"seed": self.seed, "train_source": str(self.train_source), "prompts_per_step": self.prompts_per_step,
+               "num_train_prompts": num_prompts, "world_size": world_size}
         changed = {k: (meta.get(k), v) for k, v in now.items() if meta.get(k) is not None and meta.get(k) != v}
         if changed:
             logger.warning(

@@ -8,7 +8,7 @@ import torch
 from callbacks import AQNCallback, RolloutCallback
 from lightning_modules.qerl_module import QeRLModule
 from qerl.aqn import ConstantNoise
-from qerl.rewards import RewardFunction
+from qerl.rewards import MathAccuracy, RewardFunction
 from qerl.rollout import Generation, RolloutEngine, SamplingSettings
 
 
@@ -319,6 +319,22 @@ def test_group_of_one_or_bad_batch_settings_fail_at_construction():
         RolloutCallback(group_size=1)  # every advantage would be 0: only a KL term would train
     with pytest.raises(ValueError, match="max_batch_size must be >= 1 and max_refill_rounds in 0..15, got 0 and 2"):
         RolloutCallback(max_batch_size=0)
+
+
+def test_a_resume_with_other_rollout_settings_warns():
+    """group_size, sampling, reward, DAPO options: a resume runs the config's and says what changed."""
+    import warnings
+
+    saved = RolloutCallback(reward=CharIsA(), group_size=4, seed=1).state_dict()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        RolloutCallback(reward=CharIsA(), group_size=4, seed=1).load_state_dict(saved)  # the same: silent
+        RolloutCallback(reward=CharIsA(), group_size=4, seed=1).load_state_dict({"seed": 1})  # an older checkpoint
+    changed = RolloutCallback(reward=MathAccuracy(), group_size=8, sampling=SamplingSettings(temperature=0.7), seed=1)
+    with pytest.warns(UserWarning, match="other rollout settings") as record:
+        changed.load_state_dict(saved)
+    text = str(record[0].message)
+    assert "'group_size': (4, 8)" in text and "'reward': ('CharIsA', 'MathAccuracy')" in text and "temperature" in text
 
 
 def test_a_resume_with_another_seed_warns():

@@ -401,6 +401,17 @@ def test_resume_yields_next_unseen_batch(tokenizer):
     assert resumed.state_dict()["epoch"] == 1 and resumed.state_dict()["batches_consumed"] == 12
 
 
+def test_resume_on_another_train_source_names_it(tokenizer, caplog):
+    dm = make_dm(tokenizer, seed=7)
+    take(dm, 1)
+    state = {**dm.state_dict(), "train_source": "data/gsm8k/train.jsonl"}
+    resumed = make_dm(tokenizer, seed=7)
+    resumed.load_state_dict(state)
+    with caplog.at_level("WARNING", logger="lightning_modules.data"):
+        next(iter(resumed.train_dataloader()))
+    assert "'train_source': ('data/gsm8k/train.jsonl'" in caplog.text
+
+
 def test_val_and_test_loaders_are_named_and_ordered(tmp_path, tokenizer):
     g = write_jsonl(tmp_path / "gsm8k.jsonl", GSM8K_ROWS)
     m = write_jsonl(tmp_path / "math.jsonl", MATH_ROWS)
