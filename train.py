@@ -108,10 +108,10 @@ class SaveRunConfig(SaveConfigCallback):
     def setup(self, trainer, pl_module, stage: str) -> None:
         if not self.already_saved and self.save_to_log_dir and trainer.logger is None:
             log_dir = trainer.log_dir
-            stem = os.path.splitext(self.config_filename)[0]
+            stem, suffix = os.path.splitext(self.config_filename)
             name = None
             if trainer.is_global_zero:
-                name = os.path.basename(claim_unused_path(os.path.join(log_dir, stem), ".yaml")) + ".yaml"
+                name = os.path.basename(claim_unused_path(os.path.join(log_dir, stem), suffix)) + suffix
                 if name != self.config_filename:
                     logging.getLogger("qerl").warning(f"{os.path.join(log_dir, self.config_filename)} holds an "
                                                       f"earlier run's config: this run's is {name}")

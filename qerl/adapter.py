@@ -212,11 +212,10 @@ def _unreadable(path: Path, err: Exception) -> ValueError:
 
 
 def _read_adapter_weights(adapter_dir: Path, device: str) -> dict[str, torch.Tensor]:
-    """peft's ``load_peft_weights`` of a local adapter directory (checked first, never a hub lookup), a
-    corrupt or truncated file a ValueError naming it."""
+    """peft's ``load_peft_weights`` of an adapter directory the caller has checked (``check_adapter_dir``:
+    never a hub lookup), a corrupt or truncated file a ValueError naming it."""
     from peft.utils import load_peft_weights
 
-    check_adapter_dir(adapter_dir)
     try:
         return load_peft_weights(str(adapter_dir), device=device)
     except _READ_ERRORS as err:
@@ -231,6 +230,7 @@ def load_adapter(model: nn.Module, adapter_dir: str | Path) -> nn.Module:
     (:func:`_check_lora_fits`, :func:`check_adapter_dir`)."""
     from peft import PeftModel
 
+    check_adapter_dir(adapter_dir)
     _check_lora_fits(model, _read_adapter_weights(Path(adapter_dir), device="cpu"))
     peft_model = PeftModel.from_pretrained(model, str(adapter_dir))
     _load_trainable_norms(peft_model, adapter_dir)
@@ -248,7 +248,7 @@ def load_adapter_into(peft_model: nn.Module, adapter_dir: str | Path) -> nn.Modu
     from peft import get_peft_model_state_dict, set_peft_model_state_dict
 
     adapter_dir = Path(adapter_dir)
-    _check_adapter_config(peft_model, adapter_dir)
+    _check_adapter_config(peft_model, adapter_dir)  # (check_adapter_dir first)
     device = str(next(peft_model.parameters()).device)
     saved = _read_adapter_weights(adapter_dir, device)
     expected = set(get_peft_model_state_dict(peft_model))  # same naming as the file (no adapter name)
