@@ -156,7 +156,7 @@ class ResumeMixin:
         """``model.adapter_path`` against the base it records (``qerl_base.json``; none: not written by
         qerl, nothing to check): another tiny model or seed is an error, as on resume; another model
         name, dtype or quantization a warning (the adapter then runs on weights it did not train on)."""
-        from qerl.adapter import check_adapter_dir, read_base, same_model
+        from qerl.adapter import check_adapter_dir, is_dequantized_base, read_base, same_model
 
         check_adapter_dir(self.adapter_path)
         what = f"model.adapter_path {self.adapter_path}"
@@ -165,7 +165,10 @@ class ResumeMixin:
             return
         self._check_same_base(base, what)
         here = self.base_record()
-        differing = [f"{key} {base[key]} (this run: {here[key]})" for key in ("model", "dtype", "quantization")
+        keys = ("model", "dtype", "quantization")
+        if self.quantization == "bf16" and is_dequantized_base(self.model_name, base):
+            keys = ("dtype",)  # a --from-trained-base export of that base: the weights it trained on
+        differing = [f"{key} {base[key]} (this run: {here[key]})" for key in keys
                      if base.get(key) is not None and str(base[key]) != str(here[key])
                      and not (key == "model" and same_model(str(base[key]), str(here[key])))]
         if differing:

@@ -17,13 +17,16 @@ import torch.nn as nn
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
-from qerl.model import LoraSettings, hold_norm_in_fp32, lora_config
+from qerl.model import TINY_MODEL_NAMES, LoraSettings, hold_norm_in_fp32, lora_config
 
 TRAINABLE_NORMS_FILE = "trainable_norms.safetensors"
 # The base an adapter was trained on, as qerl built it (a tiny model's weights are its seed's, its
 # NVFP4 codes its dtype's; ``python -m qerl.export`` rebuilds that base): these keys, in qerl_base.json
 # beside an adapter and as a training checkpoint's ``qerl_base``.
 BASE_FILE = "qerl_base.json"
+# In a model folder that ``--format bf16 --from-trained-base`` wrote: the base record those 16-bit
+# weights are the dequantization of, so an adapter trained on that base is at home there.
+DEQUANTIZED_BASE_FILE = "qerl_dequantized_base.json"
 BASE_KEYS = ("model", "dtype", "seed", "quantization")
 _PEFT_PREFIX = "base_model.model."
 # The LoRA tensors beside adapter_config.json, in the order peft looks for them; without either, peft
@@ -94,6 +97,34 @@ def read_base(adapter_dir: str | Path) -> dict | None:
     except (OSError, ValueError) as err:
         raise ValueError(f"{adapter_dir}/{BASE_FILE}: unreadable ({err})") from err
     return base if isinstance(base, dict) else None
+
+
+def write_dequantized_base(model_dir: Path, base: dict) -> None:
+    """Mark ``model_dir`` (a dense export) as the dequantized ``base`` (:data:`DEQUANTIZED_BASE_FILE`)."""
+    (model_dir / DEQUANTIZED_BASE_FILE).write_text(json.dumps({k: base.get(k) for k in BASE_KEYS}, indent=1) + "\n")
+
+
+def read_dequantized_base(model: str) -> dict | None:
+    """The base record a ``--from-trained-base`` export in the folder ``model`` is the dequantization
+    of, or None (not such a folder)."""
+    try:
+        record = json.loads((Path(model).expanduser() / DEQUANTIZED_BASE_FILE).read_text())
+    except (OSError, ValueError):
+        return None
+    return record if isinstance(record, dict) and record.get("model") else None
+
+
+def is_dequantized_base(model: str, base: dict) -> bool:
+    """Whether the model folder ``model`` holds ``base`` itself, dequantized (a ``--from-trained-base``
+    export of it): an adapter recording ``base`` then runs there on the weights it trained on, although
+    the name and the quantization differ."""
+    record = read_dequantized_base(model)
+    if record is None or not base.get("model"):
+        return False
+    keys = ("quantization", "seed") if base["model"] in TINY_MODEL_NAMES else ("quantization",)  # (a seed
+    # builds only a tiny model's weights)
+    return same_model(str(record["model"]), str(base["model"])) and all(
+        base.get(k) is None or str(record.get(k)) == str(base[k]) for k in keys)
 
 
 def same_model(a: str, b: str) -> bool:

@@ -26,7 +26,8 @@ from safetensors import SafetensorError
 import qerl.export
 from qerl.adapter import (
     BASE_FILE, TRAINABLE_NORMS_FILE, _load_checkpoint, _write_base, adapter_from_checkpoint, check_adapter_dir,
-    checkpoint_base, load_adapter, read_base, same_model,
+    DEQUANTIZED_BASE_FILE, checkpoint_base, is_dequantized_base, load_adapter, read_base, read_dequantized_base, same_model,
+    write_dequantized_base,
 )
 from qerl.export import ADAPTER_SUBDIR, export_bf16, export_nvfp4
 from qerl.model import load_policy
@@ -90,7 +91,7 @@ _EXPORT_FILE = re.compile(
     r"model(-\d+-of-\d+)?\.safetensors|model\.safetensors\.index\.json|(generation_)?config\.json"
     r"|tokenizer(_config)?\.json|tokenizer\.model|special_tokens_map\.json|vocab\.json|merges\.txt"
     r"|added_tokens\.json|chat_template\.jinja|adapter_config\.json|adapter_model\.safetensors"
-    rf"|{re.escape(TRAINABLE_NORMS_FILE)}|{re.escape(BASE_FILE)}|README\.md")
+    rf"|{re.escape(TRAINABLE_NORMS_FILE)}|{re.escape(BASE_FILE)}|{re.escape(DEQUANTIZED_BASE_FILE)}|README\.md")
 # ... and its folders: the adapter, and the named chat templates transformers 5 writes beside a
 # tokenizer that has several (``additional_chat_templates/<name>.jinja``)
 _EXPORT_DIRS = (ADAPTER_SUBDIR, "additional_chat_templates")
@@ -145,12 +146,13 @@ def _checkpoint_adapter(parser: argparse.ArgumentParser, path: str, out: str | P
 
 
 def _check_trained_base(parser: argparse.ArgumentParser, args: argparse.Namespace, trained_on: str | None,
-                        strict: bool) -> None:
+                        strict: bool, base: dict | None = None) -> None:
     """--model against the base the adapter records having been trained on. With ``strict`` (a training
     checkpoint's ``model``), two different tiny models are an error: the same shapes, other weights.
     Any other difference is a warning, as it may be the same model by another name (a local copy of
-    a hub id); an adapter that does not fit --model's linears is refused when it loads."""
-    if not trained_on or same_model(trained_on, args.model):
+    a hub id); an adapter that does not fit --model's linears is refused when it loads. ``base``: the
+    adapter's whole record, which a ``--from-trained-base`` export in --model may hold, dequantized."""
+    if not trained_on or same_model(trained_on, args.model) or (base is not None and is_dequantized_base(args.model, base)):
         return
     if strict and trained_on in TINY_MODEL_NAMES and args.model in TINY_MODEL_NAMES:
         parser.error(f"--model {args.model}, but --adapter {args.adapter} was trained on {trained_on}")
@@ -158,15 +160,18 @@ def _check_trained_base(parser: argparse.ArgumentParser, args: argparse.Namespac
                 "model?)", args.model, args.adapter, trained_on)
 
 
-def _base_quantization(args: argparse.Namespace, trained: str | None) -> str:
+def _base_quantization(args: argparse.Namespace, trained: str | None, at_home: bool = False) -> str:
     """How to load --model: ``nvfp4`` for an NVFP4 export; for a dense one the original weights, or the
     base the adapter trained on, dequantized (``--from-trained-base``; ``--from-nvfp4``: NVFP4's).
-    ``trained``: the quantization the adapter records (None: not recorded)."""
+    ``trained``: the quantization the adapter records (None: not recorded); ``at_home``: --model is
+    already that base, dequantized (an earlier ``--from-trained-base`` export)."""
     if args.format == "nvfp4":
         if args.adapter and trained in ("bf16", "nf4"):
             log.warning("--adapter was trained on the %s base: in an NVFP4 export it runs on other weights than it "
                         "trained on (--format bf16 --from-trained-base exports that base)", trained)
         return "nvfp4"
+    if at_home:
+        return "bf16"
     if args.from_nvfp4:
         if args.adapter and trained not in (None, "nvfp4"):
             log.warning("--from-nvfp4: the adapter was trained on the %s base, and runs here on NVFP4 weights "
@@ -206,7 +211,7 @@ def _base_settings(parser: argparse.ArgumentParser, args: argparse.Namespace,
                                 strict=False)
             return args.dtype, seed, None
     dtype, quantization = base.get("dtype") or args.dtype, base.get("quantization")
-    _check_trained_base(parser, args, base.get("model"), strict=True)
+    _check_trained_base(parser, args, base.get("model"), strict=True, base=base)
     if args.model not in TINY_MODEL_NAMES or (base.get("model") or args.model) != args.model:
         return dtype, seed, quantization  # the run's seed built another model
     trained = base.get("seed")
@@ -250,7 +255,10 @@ def main(argv: list[str] | None = None) -> Path:
         return out
     ckpt = _read_checkpoint(parser, args.adapter) if str(args.adapter or "").endswith(".ckpt") else None  # (once)
     base_dtype, seed, trained_quantization = _base_settings(parser, args, ckpt)
-    quantization = _base_quantization(args, trained_quantization)
+    recorded = (checkpoint_base(ckpt) if ckpt is not None else read_base(args.adapter)) if args.adapter else None
+    at_home = recorded is not None and is_dequantized_base(args.model, recorded)  # (then it records what it is)
+    dequantized_from = read_dequantized_base(args.model) if at_home else None
+    quantization = _base_quantization(args, trained_quantization, at_home)
     try:
         model, tokenizer = load_policy(args.model, quantization, None, dtype=base_dtype, device=args.device, seed=seed)
     except (OSError, ValueError, ImportError) as err:  # unknown model path / id, unreadable GGUF, nf4 without its library
@@ -267,6 +275,10 @@ def main(argv: list[str] | None = None) -> Path:
 
     def write(tmp: Path) -> None:
         export(model, tokenizer, tmp, dtype=args.dtype)
+        if args.format == "bf16" and (args.from_trained_base or at_home):  # these weights are that base:
+            # an adapter trained on it is at home here
+            write_dequantized_base(tmp, dequantized_from or {"model": args.model, "dtype": base_dtype, "seed": seed,
+                                                             "quantization": quantization})
         if args.adapter and (tmp / ADAPTER_SUBDIR).is_dir():  # for a later export: the base the adapter
             # trained on (an export onto another base does not change that)
             _write_base(tmp / ADAPTER_SUBDIR, {"model": args.model, "dtype": base_dtype, "seed": seed,

@@ -4,10 +4,12 @@ import itertools
 import json
 import math
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
 import torch
+import yaml
 
 sys.path.insert(0, str(Path(__file__).parent))
 from test_cli import fast_args, scalars  # noqa: E402
@@ -231,6 +233,17 @@ def test_validate_with_adapter_path_loads_the_trained_adapter_and_norms(tmp_path
     with pytest.warns(UserWarning, match=r"was trained on another base \(quantization nvfp4 \(this run: bf16\)\)"):
         main(["validate", *fast_args(tmp_path / "val3", 2), "--model.lora.trainable_norms=true",
               f"--model.adapter_path={adapter}", "--model.quantization=bf16"])
+    # ... but not on a --from-trained-base export of its own base (the NVFP4 weights, dequantized)
+    from qerl.export_cli import main as export_main
+
+    dtype = yaml.safe_load(Path(fast_args(tmp_path / "val3", 2)[1]).read_text())["model"]["dtype"]
+    dense = export_main(["--model", "tiny-qwen2", "--format", "bf16", "--from-trained-base", "--dtype", dtype,
+                         "--adapter", str(adapter), "--out", str(tmp_path / "dense")])
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        main(["validate", *fast_args(tmp_path / "val5", 2), "--model.lora.trainable_norms=true",
+              f"--model.model={dense}", "--model.quantization=bf16", f"--model.adapter_path={dense / 'adapter'}"])
+    assert not [w for w in caught if "another base" in str(w.message)]
     # the usual mix-ups -- the run folder, a Lightning checkpoint -- are named before the model loads
     import lightning_modules.qerl_module as qerl_module
 

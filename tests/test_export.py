@@ -15,7 +15,7 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
-from qerl.adapter import BASE_FILE
+from qerl.adapter import BASE_FILE, is_dequantized_base
 from qerl.export import (
     ADAPTER_SUBDIR,
     TRAINABLE_NORMS_FILE,
@@ -404,6 +404,7 @@ def test_cli_exports_the_base_each_arm_trained_on(tmp_path, caplog, quantization
     out = main(["--model", "tiny-qwen2", "--format", "bf16", "--from-trained-base", "--dtype", "fp32",
                 "--adapter", str(tmp_path / "adapter"), "--out", str(tmp_path / "out")])
     assert json.loads((out / ADAPTER_SUBDIR / BASE_FILE).read_text())["quantization"] == quantization
+    assert is_dequantized_base(str(out), base)  # its weights are that base: the trainer does not warn there
     served = load_adapter(AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32), out / ADAPTER_SUBDIR)
     with torch.no_grad():
         torch.testing.assert_close(served(_ids()).logits, model(_ids()).logits, rtol=0, atol=1e-5)
@@ -418,6 +419,14 @@ def test_cli_exports_the_base_each_arm_trained_on(tmp_path, caplog, quantization
     # an export onto another base still records the base the adapter trained on
     for other in ("orig", "nvfp4"):
         assert json.loads((tmp_path / other / ADAPTER_SUBDIR / BASE_FILE).read_text())["quantization"] == quantization
+        assert not is_dequantized_base(str(tmp_path / other), base)
+    # the export's own adapter exported again from that folder: no "trained on another model" warning
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="qerl.export_cli"):
+        main(["--model", str(out), "--format", "bf16", "--dtype", "fp32", "--adapter", str(out / ADAPTER_SUBDIR),
+              "--out", str(tmp_path / "again")])
+    assert "was trained on" not in caplog.text  # neither on another model nor on the NVFP4 base
+    assert is_dequantized_base(str(tmp_path / "again"), base)
     with pytest.raises(SystemExit):
         main(["--model", "tiny-qwen2", "--format", "bf16", "--from-nvfp4", "--from-trained-base",
               "--adapter", str(tmp_path / "adapter"), "--out", str(tmp_path / "both")])
