@@ -98,17 +98,35 @@ def lora_update(model, vocab: int, batch: int, seq: int, device: str, fused: boo
     return step
 
 
+# What the caching allocator did during the timed updates (deltas; a cudaMalloc / cudaFree or a
+# retry after freeing the cache inside an update would show here), to tell an allocator regime from
+# a host one when the same update's time drifts between rounds.
+ALLOCATOR_COUNTERS = ("num_alloc_retries", "num_device_alloc", "num_device_free", "num_sync_all_streams")
+
+
+def host_cpu_mhz() -> float | None:
+    """Mean current clock of the host's cores (Linux /proc/cpuinfo), None elsewhere."""
+    try:
+        mhz = [float(line.split(":")[1]) for line in open("/proc/cpuinfo") if line.startswith("cpu MHz")]
+    except OSError:
+        return None
+    return statistics.mean(mhz) if mhz else None
+
+
 def train_steps(model, vocab: int, batch: int, seq: int, device: str, fused: bool = False,
-                projections: bool = False, steps: int = 3) -> tuple[float, float, float]:
-    """(median seconds per update, median seconds the host took to enqueue it, peak GB allocated).
+                projections: bool = False, steps: int = 3) -> tuple[float, float, float, dict]:
+    """(median seconds per update, median seconds the host took to enqueue it, peak GB allocated,
+    context: the allocator's counters over the timed updates and the host's CPU clock after them).
 
     The host time is measured before the closing synchronize: when it is close to the update's
     time, Python (not the GPU) sets the pace."""
     step = lora_update(model, vocab, batch, seq, device, fused, projections)
     step()                                                                              # warm-up (tuning, compile)
     sync(device)
+    before = {}
     if device == "cuda":
         torch.cuda.reset_peak_memory_stats()
+        before = torch.cuda.memory_stats()
     times, host = [], []
     for _ in range(steps):
         t0 = time.perf_counter()
@@ -117,7 +135,12 @@ def train_steps(model, vocab: int, batch: int, seq: int, device: str, fused: boo
         sync(device)
         times.append(time.perf_counter() - t0)
     peak = torch.cuda.max_memory_allocated() / GB if device == "cuda" else float("nan")
-    return statistics.median(times), statistics.median(host), peak
+    context = {"host_cpu_mhz": host_cpu_mhz()}
+    if device == "cuda":
+        after = torch.cuda.memory_stats()
+        context.update({k: after.get(k, 0) - before.get(k, 0) for k in ALLOCATOR_COUNTERS})
+        context["segments"] = after.get("segment.all.current", 0)
+    return statistics.median(times), statistics.median(host), peak, context
 
 
 TRAIN_CATEGORIES = [  # first match wins; kernel names of torch 2.11 / Triton 3.6 on the H200
@@ -244,7 +267,8 @@ def main():
                 tok_s = gen_tok_s(model, vocab, args.gen_batch, args.gen_prompt, args.gen_new, device)
             row = dict(arm=arm, lora_compute=lora_compute, fused_ops=fused, fused_projections=proj, weights_gb=weights, decoder_linears_gb=linears,
                        train_step_s=step_s, train_host_s=host_s, train_peak_gb=peak, gen_tok_s=tok_s,
-                       round_step_s=[r[0] for r in runs])
+                       round_step_s=[r[0] for r in runs], round_host_s=[r[1] for r in runs],
+                       round_context=[r[3] for r in runs])
             rows.append(row)
             if args.profile:
                 row["profile"] = profile_step(model, vocab, args.batch, args.seq, device, fused, proj)
@@ -255,6 +279,9 @@ def main():
                 row["host_profile"] = host_profile_step(model, vocab, args.batch, args.seq, device, fused, proj)
                 for r in row["host_profile"]:
                     print(f"    host {r['own_ms']:8.2f} ms own {r['cum_ms']:8.2f} ms cum x{r['calls']:<6d} {r['function'][:80]}")
+            if len(runs) > 1:
+                for i, (t, h, _, ctx) in enumerate(runs):
+                    print(f"    round {i}: update {t:.3f} s host {h:.3f} s  " + " ".join(f"{k} {v}" for k, v in ctx.items()))
             print(f"{arm:6s} lora {lora_compute:6s} fused {str(fused):5s} proj {str(proj):5s} weights {weights:6.2f} GB  update {step_s:7.3f} s "
                   f"(host {host_s:7.3f} s)  peak {peak:6.2f} GB  generate {tok_s or float('nan'):8.1f} tok/s", flush=True)
         del model

@@ -30,6 +30,9 @@ def test_train_step_benchmark_tiny(tmp_path):
         # the host profile names Python functions; the host's enqueue time is within the update's
         assert row["host_profile"] and all(r["calls"] > 0 and ":" in r["function"] for r in row["host_profile"])
         assert 0 < row["train_host_s"] <= row["train_step_s"]
+        # per round: the update's and host's times beside the host clock (allocator counters on CUDA)
+        assert len(row["round_step_s"]) == len(row["round_host_s"]) == len(row["round_context"]) == 1
+        assert "host_cpu_mhz" in row["round_context"][0]
     rows = {row["arm"]: row for row in res["rows"] if row["lora_compute"] == "model" and not row["fused_ops"]}
     for row in rows.values():
         for k in ("weights_gb", "train_step_s", "gen_tok_s"):
