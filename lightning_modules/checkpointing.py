@@ -18,6 +18,7 @@ import torch
 from lightning.pytorch.utilities import rank_zero_warn
 
 from lightning_modules.settings import apply_optimizer_settings, decay_flags, hparam_differences, split_one_group_state
+from qerl.adapter import non_finite_tensors
 from qerl.model import TINY_MODEL_NAMES
 from qerl.seeding import global_rng_state, set_global_rng_state
 
@@ -25,6 +26,11 @@ from qerl.seeding import global_rng_state, set_global_rng_state
 # QeRLModule arguments that shape training only, not the weights an evaluation runs (validate /
 # test against a checkpoint do not compare them)
 _TRAINING_ONLY = ("loss", "optimizer", "gradient_checkpointing", "warn_after_steps", "fused_ops")
+
+
+class TrainingDiverged(RuntimeError):
+    """The run cannot go on: its weights give, or are, non-finite values. ``train.py`` prints it as one
+    line; no checkpoint of such weights is written (the step that made them raises before its save)."""
 
 
 class ResumeMixin:
@@ -51,6 +57,8 @@ class ResumeMixin:
         in the middle of a failure still warns after ``warn_after_steps`` steps in all."""
         trainable = self._trainable_shapes()
         checkpoint["state_dict"] = {k: v for k, v in checkpoint["state_dict"].items() if k in trainable}
+        if bad := non_finite_tensors(checkpoint["state_dict"]):  # (a last line of defence: the update guards)
+            raise TrainingDiverged(f"not saving a checkpoint of non-finite weights ({len(bad)} tensors, e.g. {bad[0]})")
         trainer = self._trainer
         if trainer is not None and trainer.state.fn == "fit" and trainer.validating and self._rng_after_batch is not None:
             # saved as a validation ends (a keep-best ModelCheckpoint), after it drew from the
@@ -66,6 +74,21 @@ class ResumeMixin:
             states = [None] * self._world_size()
             torch.distributed.all_gather_object(states, checkpoint["qerl_rng"])
             checkpoint["qerl_rng_per_rank"] = states
+
+    def check_weights_finite(self) -> None:
+        """After an optimizer step: a finite gradient can still make weights non-finite (an overflowing
+        lr or weight decay); stop before this step's checkpoint is saved, naming the last good step."""
+        params = self.trainable_parameters()
+        norms = torch.stack([n.float() for n in torch._foreach_norm(params)]) if params else None
+        if norms is None or bool(torch.isfinite(norms).all()):  # (one sync per update)
+            return
+        names = [n for n, p in self.model.named_parameters() if p.requires_grad]
+        bad = non_finite_tensors(dict(zip(names, params))) or [names[int((~torch.isfinite(norms)).nonzero()[0])]]
+        step = self.global_step  # (the optimizer step has counted)
+        raise TrainingDiverged(
+            f"training diverged: optimizer step {step} made {len(bad)} of {len(params)} trainable tensors non-finite "
+            f"or overflowing (e.g. {bad[0]}) from a finite gradient: model.optimizer.lr or weight_decay too large? "
+            f"Nothing of step {step} is saved; resume from a checkpoint of step {step - 1} or earlier with a smaller lr")
 
     def base_record(self) -> dict:
         """The base this run builds ({"model", "dtype", "seed", "quantization"}): saved with checkpoints
@@ -96,6 +119,9 @@ class ResumeMixin:
                              f"{missing[:1]}; {len(unexpected)} unexpected, e.g. {unexpected[:1]}; {len(resized)} of "
                              f"another shape{example}): model.model, model.lora (rank, targets) and its "
                              "trainable_norms must be those of the run that wrote it")
+        if bad := non_finite_tensors(state):
+            raise ValueError(f"the checkpoint holds non-finite weights ({len(bad)} of {len(state)} trainable tensors, "
+                             f"e.g. {bad[0]}), saved after its run diverged: resume from an earlier one")
         if self.model is not None and "optimizer_states" in checkpoint:  # written before the norm scales had their own undecayed group
             flags = decay_flags(self.trainable_parameters())
             before = checkpoint["optimizer_states"]

@@ -66,6 +66,10 @@ def export_adapter(peft_model: nn.Module, out_dir: str | Path, base: dict | None
     peft's ``base_model_name_or_path`` (which a model built in code leaves empty)."""
     if not _is_peft(peft_model):
         raise ValueError("export_adapter needs a peft model")
+    trainable = {n: p.detach() for n, p in peft_model.named_parameters() if p.requires_grad}
+    if bad := non_finite_tensors(trainable):
+        raise ValueError(f"the adapter holds non-finite weights ({len(bad)} of {len(trainable)} trainable tensors, "
+                         f"e.g. {bad[0]}): nothing written")
     out = Path(out_dir)
     if base and base.get("model"):
         for config in peft_model.peft_config.values():
@@ -97,6 +101,13 @@ def read_base(adapter_dir: str | Path) -> dict | None:
     except (OSError, ValueError) as err:
         raise ValueError(f"{adapter_dir}/{BASE_FILE}: unreadable ({err})") from err
     return base if isinstance(base, dict) else None
+
+
+def non_finite_tensors(tensors: dict) -> list[str]:
+    """Names of the floating-point tensors of ``tensors`` that hold a NaN or an inf (weights saved
+    after a training run diverged: refused by resume and export rather than passed on)."""
+    return [name for name, t in tensors.items()
+            if torch.is_tensor(t) and t.is_floating_point() and not bool(torch.isfinite(t).all())]
 
 
 def write_dequantized_base(model_dir: Path, base: dict) -> None:
@@ -187,26 +198,34 @@ def _load_checkpoint(ckpt_path: str | Path) -> dict:
     return ckpt
 
 
+def _checkpoint_label(ckpt_path) -> str:
+    return "the checkpoint" if isinstance(ckpt_path, dict) else str(ckpt_path)
+
+
 def adapter_from_checkpoint(ckpt_path: str | Path | dict, out_dir: str | Path) -> Path:
     """The adapter of a training checkpoint (``.ckpt``: the trainable tensors and the module's
     hyper-parameters), written as :func:`export_adapter` writes it at the end of a run, without loading
     the base model: to serve or evaluate any step of a run, also one that did not finish.
     ``ckpt_path`` may also be the checkpoint :func:`_load_checkpoint` already read."""
     ckpt = ckpt_path if isinstance(ckpt_path, dict) else _load_checkpoint(ckpt_path)
+    what = _checkpoint_label(ckpt_path)  # (not a read dict's whole repr)
     hp, state = ckpt["hyper_parameters"] or {}, ckpt["state_dict"] or {}
     lora = hp.get("lora") or {}
     settings = lora if isinstance(lora, LoraSettings) else LoraSettings(**lora)
     adapter, norms = {}, {}
     for key, tensor in state.items():
         if not isinstance(tensor, torch.Tensor):
-            raise ValueError(f"{ckpt_path}: state_dict[{key!r}] is not a tensor ({type(tensor).__name__})")
+            raise ValueError(f"{what}: state_dict[{key!r}] is not a tensor ({type(tensor).__name__})")
         name = key[len("model."):] if key.startswith("model.") else key  # QeRLModule.model
         if _is_adapter(name):  # peft's own naming on save: the adapter name ("default") dropped
             adapter[name.replace(".default", "")] = tensor.contiguous()
         else:
             norms[hf_name(name)] = tensor.contiguous()
     if not adapter:
-        raise ValueError(f"{ckpt_path}: no LoRA tensors in its state_dict (not a qerl training checkpoint?)")
+        raise ValueError(f"{what}: no LoRA tensors in its state_dict (not a qerl training checkpoint?)")
+    if bad := non_finite_tensors(state):
+        raise ValueError(f"{what} holds non-finite weights ({len(bad)} of {len(state)} "
+                         f"trainable tensors, e.g. {bad[0]}), saved after its run diverged: take an earlier checkpoint")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     lora_config(settings, hp.get("model")).save_pretrained(str(out))
@@ -248,10 +267,14 @@ def _read_adapter_weights(adapter_dir: Path, device: str) -> dict[str, torch.Ten
     from peft.utils import load_peft_weights
 
     try:
-        return load_peft_weights(str(adapter_dir), device=device)
+        weights = load_peft_weights(str(adapter_dir), device=device)
     except _READ_ERRORS as err:
-        weights = next(adapter_dir / f for f in ADAPTER_WEIGHT_FILES if (adapter_dir / f).is_file())
-        raise _unreadable(weights, err) from err
+        path = next(adapter_dir / f for f in ADAPTER_WEIGHT_FILES if (adapter_dir / f).is_file())
+        raise _unreadable(path, err) from err
+    if bad := non_finite_tensors(weights):
+        raise ValueError(f"{adapter_dir}: {len(bad)} of its {len(weights)} LoRA tensors hold non-finite values "
+                         f"(e.g. {bad[0]}): written after a run diverged?")
+    return weights
 
 
 def load_adapter(model: nn.Module, adapter_dir: str | Path) -> nn.Module:

@@ -346,3 +346,78 @@ def test_a_resume_with_another_seed_warns():
         cb.load_state_dict(state)  # the same seed: silent
         with pytest.warns(UserWarning, match=f"{what} .*: seed 1, the checkpoint's 7: from here on the run differs"):
             cb.load_state_dict({**state, "seed": 7})
+
+
+def _tiny_fit(tmp_path, module, max_steps, ckpt_path=None, **trainer_kwargs):
+    import lightning as L
+
+    from lightning_modules.data import PromptDataModule
+
+    module.configure_model()
+    cb = RolloutCallback(reward=Parity(), group_size=2, sampling=SamplingSettings(max_new_tokens=4))
+    trainer = L.Trainer(accelerator="cpu", max_steps=max_steps, logger=False, enable_progress_bar=False,
+                        callbacks=[cb, *trainer_kwargs.pop("callbacks", [])], default_root_dir=tmp_path, **trainer_kwargs)
+    trainer.fit(module, PromptDataModule(prompts_per_step=2), ckpt_path=ckpt_path)
+    return trainer
+
+
+def test_ten_non_finite_updates_in_a_row_stop_with_the_step_whose_weights_cause_them(tmp_path, monkeypatch):
+    import pytest
+
+    import lightning_modules.qerl_module as qerl_module
+    from lightning_modules.checkpointing import TrainingDiverged
+
+    policy_loss = qerl_module.policy_loss
+    calls = []
+
+    def nan_after_two(*args, **kwargs):  # batches 0-1 train, every later loss is NaN
+        loss, metrics = policy_loss(*args, **kwargs)
+        calls.append(1)
+        return (loss * float("nan"), metrics) if len(calls) > 2 else (loss, metrics)
+
+    monkeypatch.setattr(qerl_module, "policy_loss", nan_after_two)
+    module = QeRLModule(model="tiny-qwen2", quantization="nvfp4", dtype="fp32")
+    with pytest.warns(UserWarning, match="skipping this update"), pytest.raises(
+            TrainingDiverged, match=r"the 10 updates since step 2 all had a non-finite loss .* weights are still "
+                                    r"those of step 2.*Checkpoints of step 2 and later"):
+        _tiny_fit(tmp_path, module, 20, enable_checkpointing=False)
+
+
+def test_an_update_that_overflows_the_weights_stops_before_its_checkpoint(tmp_path):
+    """A finite gradient can still make weights non-finite (an lr or weight decay that overflows them;
+    simulated: the optimizer's second step writes an inf): the run stops at that step, before its
+    checkpoint, so every checkpoint on disk is finite and the message names the step to resume from."""
+    import pytest
+    from lightning.pytorch.callbacks import ModelCheckpoint
+    from torch.optim.optimizer import register_optimizer_step_post_hook
+
+    from lightning_modules.checkpointing import TrainingDiverged
+
+    steps = []
+
+    def overflow_on_second_step(optimizer, args, kwargs):
+        steps.append(1)
+        if len(steps) == 2:
+            with torch.no_grad():
+                optimizer.param_groups[0]["params"][0].fill_(float("inf"))
+
+    module = QeRLModule(model="tiny-qwen2", quantization="nvfp4", dtype="fp32")
+    ckpt = ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=1, save_top_k=-1, save_last=True)
+    handle = register_optimizer_step_post_hook(overflow_on_second_step)
+    try:
+        with pytest.raises(TrainingDiverged, match=r"optimizer step 2 made 1 of \d+ trainable tensors non-finite or "
+                                                   r"overflowing .*resume from a checkpoint of step 1 or earlier"):
+            _tiny_fit(tmp_path, module, 4, callbacks=[ckpt])
+    finally:
+        handle.remove()
+    saved = sorted(p.name for p in (tmp_path / "ckpt").glob("*.ckpt"))
+    assert saved == ["epoch=0-step=1.ckpt", "last.ckpt"], saved
+    state = torch.load(tmp_path / "ckpt" / "last.ckpt", weights_only=False)["state_dict"]
+    assert state and all(torch.isfinite(t).all() for t in state.values())
+    # a checkpoint written with non-finite weights (by an older version) is refused on resume, in one line
+    ckpt_data = torch.load(tmp_path / "ckpt" / "last.ckpt", weights_only=False)
+    next(iter(ckpt_data["state_dict"].values())).fill_(float("nan"))
+    torch.save(ckpt_data, tmp_path / "nan.ckpt")
+    with pytest.raises(ValueError, match=r"the checkpoint holds non-finite weights \(1 of \d+ trainable tensors"):
+        _tiny_fit(tmp_path, QeRLModule(model="tiny-qwen2", quantization="nvfp4", dtype="fp32"), 4,
+                  ckpt_path=str(tmp_path / "nan.ckpt"))

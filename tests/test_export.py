@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
 from qerl.adapter import BASE_FILE, is_dequantized_base
@@ -533,6 +533,25 @@ def test_training_checkpoint_to_adapter(tmp_path, lora_as):
         torch.save({"state_dict": {}, "hyper_parameters": {}}, tmp_path / "empty.ckpt")
         with pytest.raises(SystemExit):
             main(["--format", "adapter", "--adapter", str(tmp_path / "empty.ckpt"), "--out", str(tmp_path / "e")])
+        # non-finite weights (a run that diverged) are never passed on: not from a checkpoint, not from a
+        # model, not from an adapter folder written before this check existed
+        lora_b = next(k for k in ckpt["state_dict"] if "lora_B" in k)
+        ckpt["state_dict"][lora_b] = torch.full_like(ckpt["state_dict"][lora_b], float("nan"))
+        torch.save(ckpt, tmp_path / "nan.ckpt")
+        with pytest.raises(ValueError, match=r"nan.ckpt holds non-finite weights \(1 of \d+ trainable tensors"):
+            adapter_from_checkpoint(tmp_path / "nan.ckpt", tmp_path / "f")
+        assert not (tmp_path / "f").exists()
+        with pytest.raises(SystemExit):
+            main(["--format", "adapter", "--adapter", str(tmp_path / "nan.ckpt"), "--out", str(tmp_path / "g")])
+        with torch.no_grad():
+            next(p for n, p in trained.named_parameters() if "lora_B" in n).fill_(float("inf"))
+        with pytest.raises(ValueError, match="the adapter holds non-finite weights"):
+            export_adapter(trained, tmp_path / "h")
+        weights = load_file(got / "adapter_model.safetensors")
+        weights[next(iter(weights))].fill_(float("nan"))
+        save_file(weights, str(got / "adapter_model.safetensors"))
+        with pytest.raises(ValueError, match=r"1 of its \d+ LoRA tensors hold non-finite values"):
+            load_adapter(load_policy("tiny-qwen2", "nvfp4", None, dtype="fp32", seed=SEED)[0], got)
 
 
 @pytest.mark.parametrize("seed_from", ["module", "seed_everything"])

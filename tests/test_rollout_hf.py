@@ -368,3 +368,12 @@ def test_cache_keyword_follows_the_installed_transformers():
                                                                   num_key_value_heads=1))
     out = tiny(input_ids=torch.tensor([[1, 2]]), use_cache=True)
     assert returned_cache(out) is not None
+
+
+def test_non_finite_logits_are_named_not_a_sampler_error():
+    model, tok = _policy()
+    engine = HFEngine(stop_token_ids=[tok.eos_token_id], pad_token_id=tok.pad_token_id, max_batch_size=8)
+    with torch.no_grad():
+        next(p for n, p in model.named_parameters() if "lora_B" in n).fill_(float("nan"))
+    with pytest.raises(RuntimeError, match="non-finite logits at generated token 0 .*hold NaN / inf"):
+        _generate(engine, model, SamplingSettings(temperature=1.0, max_new_tokens=4), 0, static=False)

@@ -386,7 +386,11 @@ class HFEngine(RolloutEngine):
                 else:  # log-probs of the distribution sampled from: after top-k/top-p, renormalised (as vLLM's)
                     kept = filter_logits(scaled, sampling.top_k, sampling.top_p)
                     logp = F.log_softmax(kept, dim=-1)
-                    nxt = torch.multinomial(kept.softmax(-1), 1, generator=gen).squeeze(-1)
+                    try:
+                        nxt = torch.multinomial(kept.softmax(-1), 1, generator=gen).squeeze(-1)
+                    except RuntimeError as err:  # (NaN / inf probabilities: say where they come from)
+                        raise RuntimeError(f"non-finite logits at generated token {t} ({err}): the model's "
+                                           "weights or the AQN noise hold NaN / inf") from err
                 nxt = torch.where(finished, torch.full_like(nxt, self.pad_token_id), nxt)
                 tokens = torch.cat([tokens, nxt[:, None]], 1)
                 logprobs = torch.cat([logprobs, logp.gather(-1, nxt[:, None])], 1)
