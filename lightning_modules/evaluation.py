@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 from dataclasses import dataclass
 from typing import Literal
@@ -73,8 +74,12 @@ class EvalSettings:
     def __post_init__(self) -> None:  # fails at start, not at the first validation
         if self.samples < 0 or self.max_new_tokens < 1 or self.max_batch_size < 1:
             raise ValueError("model.eval.samples must be >= 0, max_new_tokens and max_batch_size >= 1")
-        if self.temperature < 0 or not 0 < self.top_p <= 1:
-            raise ValueError(f"model.eval.temperature must be >= 0 and top_p in (0, 1], got {self.temperature}, {self.top_p}")
+        # (written so that NaN fails: `nan < 0` is false, and a NaN temperature only failed at the
+        # first validation, after the training steps before it)
+        if not (self.temperature >= 0 and math.isfinite(self.temperature)):
+            raise ValueError(f"model.eval.temperature must be finite and >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"model.eval.top_p must be in (0, 1], got {self.top_p}")
         PassAtK(self.samples, self.pass_k)  # a bad pass_k: its own message
 
 

@@ -72,12 +72,16 @@ class LossSettings:
         for key in ("updates_per_rollout", "micro_batch_size"):
             if int(getattr(self, key)) < 1:
                 raise ValueError(f"model.loss.{key} must be >= 1, got {getattr(self, key)}")
-        if self.tis_cap is not None and not self.tis_cap > 0:
-            raise ValueError(f"model.loss.tis_cap must be > 0 (or null: no IS correction), got {self.tis_cap}")
+        # every comparison is written so that NaN fails it (`x < 0` is false for NaN: a NaN kl_coef
+        # would drop the KL term silently) and infinities are refused by name
+        if self.tis_cap is not None and not (self.tis_cap > 0 and math.isfinite(self.tis_cap)):
+            raise ValueError(f"model.loss.tis_cap must be finite and > 0 (or null: no IS correction), got {self.tis_cap}")
         if not 0 < self.top_entropy_quantile <= 1:
             raise ValueError(f"model.loss.top_entropy_quantile must be in (0, 1], got {self.top_entropy_quantile}")
-        if self.clip_low < 0 or self.clip_high < 0 or self.kl_coef < 0 or self.entropy_coef < 0:
-            raise ValueError("model.loss.clip_low, clip_high, kl_coef and entropy_coef must be >= 0")
+        for key in ("clip_low", "clip_high", "kl_coef", "entropy_coef"):
+            value = getattr(self, key)
+            if not (value >= 0 and math.isfinite(value)):
+                raise ValueError(f"model.loss.{key} must be finite and >= 0, got {value}")
 
 
 _CHOICES = {key: typing.get_args(typing.get_type_hints(LossSettings)[key])
@@ -105,14 +109,25 @@ class OptimizerSettings:
     max_grad_norm: float = 0.2
 
     def __post_init__(self) -> None:  # a bad YAML value fails at start, not after the model loads
-        if not self.lr > 0:
-            raise ValueError(f"model.optimizer.lr must be > 0, got {self.lr}")
-        if not self.max_grad_norm > 0:  # a negative threshold flips the gradient (training goes uphill)
-            raise ValueError(f"model.optimizer.max_grad_norm must be > 0, got {self.max_grad_norm}")
+        # NaN fails every comparison below; an infinite (or overflowing, 1e40) lr is an AdamW overflow
+        # at the first step and a NaN weight decay writes NaN weights into checkpoints
+        if not (self.lr > 0 and self.lr < _MAX_LR):
+            raise ValueError(f"model.optimizer.lr must be > 0 and < {_MAX_LR:g}, got {self.lr}")
+        if not (self.max_grad_norm > 0 and math.isfinite(self.max_grad_norm)):
+            # a negative threshold flips the gradient (training goes uphill); a huge finite one is "no clipping"
+            raise ValueError(f"model.optimizer.max_grad_norm must be finite and > 0, got {self.max_grad_norm}")
         if not 0 <= self.warmup_ratio <= 1:
             raise ValueError(f"model.optimizer.warmup_ratio must be in [0, 1], got {self.warmup_ratio}")
-        if self.weight_decay < 0:
-            raise ValueError(f"model.optimizer.weight_decay must be >= 0, got {self.weight_decay}")
+        if not (self.weight_decay >= 0 and math.isfinite(self.weight_decay)):
+            raise ValueError(f"model.optimizer.weight_decay must be finite and >= 0, got {self.weight_decay}")
+        betas = tuple(self.betas)
+        if len(betas) != 2 or not all(0 <= b < 1 for b in betas):  # (AdamW's own range; NaN fails it)
+            raise ValueError(f"model.optimizer.betas must be two values in [0, 1), got {list(betas)}")
+
+
+# An lr at or above this is a typo, not a learning rate: AdamW's update lr * m / sqrt(v) overflows
+# float32 (max 3.4e38) well before, and no LoRA recipe uses an lr above 1.
+_MAX_LR = 1e3
 
 
 # Lightning warnings whose advice does not apply to this module (silenced when a run starts):

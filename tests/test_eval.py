@@ -261,3 +261,13 @@ def test_report_columns_in_reading_order():
 
     assert sorted(["pass@16", "mean@16", "pass@2", "pass@1", "pass@4"], key=_column_order) == [
         "pass@1", "mean@16", "pass@2", "pass@4", "pass@16"]
+
+
+@pytest.mark.parametrize("bad", [dict(temperature=float("nan")), dict(temperature=float("inf")),
+                                 dict(top_p=float("nan"))], ids=["temperature-nan", "temperature-inf", "top_p-nan"])
+def test_non_finite_eval_settings_fail_at_construction(bad):
+    """`temperature < 0` is false for NaN: it failed only at the first validation, after training steps."""
+    from lightning_modules.evaluation import EvalSettings
+
+    with pytest.raises(ValueError, match=f"model.eval.{next(iter(bad))} must be"):
+        EvalSettings(**bad)

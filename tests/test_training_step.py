@@ -527,3 +527,36 @@ def test_lr_factor_by_hand():
     assert lr_factor(28, 100, 0.29, "cosine") == pytest.approx(29 / 30)
     assert lr_factor(29, 100, 0.29, "cosine") == 1.0
     assert lr_factor(2, 20, 0.1, "cosine") == 1.0  # 0.1 * 20 = 2.0000000000000004: 2 steps, not 3
+
+
+_NAN, _INF = float("nan"), float("inf")
+
+
+@pytest.mark.parametrize("bad", [dict(lr=_NAN), dict(lr=_INF), dict(lr=1e40), dict(weight_decay=_NAN),
+                                 dict(weight_decay=_INF), dict(betas=(_NAN, 0.99)), dict(betas=(0.9, 1.0)),
+                                 dict(warmup_ratio=_NAN), dict(max_grad_norm=_INF), dict(max_grad_norm=_NAN)],
+                         ids=lambda bad: f"{next(iter(bad))}={next(iter(bad.values()))}")
+def test_non_finite_optimizer_settings_fail_at_construction(bad):
+    """`lr > 0` holds for inf and `weight_decay < 0` fails for NaN: an AdamW overflow at the first step,
+    or NaN weights written into checkpoints. Each is one line naming its key."""
+    with pytest.raises(ValueError, match=f"model.optimizer.{next(iter(bad))} must be"):
+        OptimizerSettings(**bad)
+
+
+@pytest.mark.parametrize("key", ["clip_low", "clip_high", "kl_coef", "entropy_coef", "tis_cap", "top_entropy_quantile"])
+@pytest.mark.parametrize("value", [_NAN, _INF])
+def test_non_finite_loss_settings_fail_at_construction(key, value):
+    """A NaN kl_coef passed `kl_coef < 0` and dropped the KL term silently."""
+    with pytest.raises(ValueError, match=f"model.loss.{key} must be"):
+        LossSettings(**{key: value})
+
+
+@pytest.mark.parametrize("bad", [dict(temperature=_NAN), dict(temperature=_INF), dict(top_p=_NAN), dict(top_k=-1),
+                                 dict(max_new_tokens=0)],
+                         ids=lambda bad: f"{next(iter(bad))}={next(iter(bad.values()))}")
+def test_bad_sampling_settings_name_their_key(bad):
+    """A NaN temperature passed `temperature < 0` and ended in torch.multinomial at the first rollout."""
+    from qerl.rollout import SamplingSettings
+
+    with pytest.raises(ValueError, match=f"sampling.{next(iter(bad))} must be"):
+        SamplingSettings(**bad)

@@ -7,6 +7,7 @@ never move it between devices or put it into a checkpoint. The ``RolloutCallback
 from __future__ import annotations
 
 import contextlib
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -28,9 +29,17 @@ class SamplingSettings:
     top_k: int = 0
     max_new_tokens: int = 256
 
-    def __post_init__(self) -> None:  # a bad YAML value fails at start
-        if self.max_new_tokens < 1 or self.temperature < 0 or not 0 < self.top_p <= 1 or self.top_k < 0:
-            raise ValueError(f"sampling: need max_new_tokens >= 1, temperature >= 0, 0 < top_p <= 1, top_k >= 0; got {self}")
+    def __post_init__(self) -> None:  # a bad YAML value fails at start, naming its key
+        # each check is written so that NaN fails it (`nan < 0` is false: a NaN temperature reached
+        # torch.multinomial at the first rollout) and an infinite temperature is refused too
+        if not (self.temperature >= 0 and math.isfinite(self.temperature)):
+            raise ValueError(f"sampling.temperature must be finite and >= 0 (0: greedy), got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"sampling.top_p must be in (0, 1] (1: off), got {self.top_p}")
+        if not self.top_k >= 0:
+            raise ValueError(f"sampling.top_k must be >= 0 (0: off), got {self.top_k}")
+        if not self.max_new_tokens >= 1:
+            raise ValueError(f"sampling.max_new_tokens must be >= 1, got {self.max_new_tokens}")
 
 
 @dataclass
