@@ -76,7 +76,7 @@ class ConstantNoise(NoiseController):
 
     def __init__(self, sigma: float = 1e-2) -> None:
         super().__init__()
-        _check("ConstantNoise", sigma__ge_0=sigma >= 0)
+        _check("ConstantNoise", finite=dict(sigma=sigma), sigma__ge_0=sigma >= 0)
         self.value = float(sigma)
 
     def sigma(self, step: int, state: MonitorState | None = None) -> float:
@@ -86,9 +86,14 @@ class ConstantNoise(NoiseController):
         return 0
 
 
-def _check(owner: str, **conditions: bool) -> None:
+def _check(owner: str, finite: dict[str, float | None] | None = None, **conditions: bool) -> None:
     """One line naming the first setting whose condition fails (at construction, not at the first step):
-    ``sigma__ge_0=sigma >= 0`` reads "needs sigma >= 0"."""
+    ``sigma__ge_0=sigma >= 0`` reads "needs sigma >= 0". ``finite``: settings (None: unset) that must
+    be finite numbers, checked first -- ``inf >= 0`` holds, and an infinite sigma was refused only at
+    step 1 (by the noisy norms), after the model had loaded."""
+    for name, value in (finite or {}).items():
+        if value is not None and not math.isfinite(value):
+            raise ValueError(f"{owner} needs a finite {name}, got {value}")
     for what, ok in conditions.items():
         if not ok:
             name, _, rest = what.partition("__")
@@ -124,7 +129,9 @@ class StagedSchedule(NoiseController):
         super().__init__()
         if num_stages < 2:
             raise ValueError("num_stages must be >= 2 (stage 0 is noise-free)")
-        _check(type(self).__name__, sigma_start__ge_0=sigma_start >= 0, sigma_end__ge_0=sigma_end >= 0)
+        _check(type(self).__name__, finite=dict(sigma_start=sigma_start, sigma_end=sigma_end),
+               sigma_start__ge_0=sigma_start >= 0, sigma_end__ge_0=sigma_end >= 0,
+               max_steps__ge_1=max_steps is None or max_steps >= 1)  # (0 would read as "unknown" at step 1)
         self.sigma_start, self.sigma_end = float(sigma_start), float(sigma_end)
         self.num_stages, self.max_steps, self.reach_end = int(num_stages), max_steps, reach_end
         self._state_max_steps: int | None = None
@@ -153,7 +160,7 @@ class ExponentialSchedule(StagedSchedule):
 
     def __init__(self, sigma_start: float = 1e-2, sigma_end: float = 5e-4, num_stages: int = 10,
                  max_steps: int | None = None, reach_end: bool = True) -> None:
-        if sigma_start <= 0 or sigma_end <= 0:  # geometric: use LinearSchedule to decay to 0
+        if not (sigma_start > 0 and sigma_end > 0):  # geometric: use LinearSchedule to decay to 0
             raise ValueError(f"ExponentialSchedule needs sigma_start, sigma_end > 0, got {sigma_start}, {sigma_end}")
         super().__init__(sigma_start, sigma_end, num_stages, max_steps, reach_end)
 
@@ -211,9 +218,13 @@ class OscillatingSchedule(NoiseController):
         super().__init__()
         if period < 1:
             raise ValueError("period must be >= 1")
-        _check("OscillatingSchedule", sigma_start__gt_0=sigma_start > 0, sigma_end__gt_0=sigma_end > 0,
+        _check("OscillatingSchedule", finite=dict(sigma_start=sigma_start, sigma_end=sigma_end,
+                                                  reheat_amplitude=reheat_amplitude, reheat_decay=reheat_decay,
+                                                  reheat_width=reheat_width),
+               sigma_start__gt_0=sigma_start > 0, sigma_end__gt_0=sigma_end > 0,
                reheat_amplitude__ge_0=reheat_amplitude >= 0, reheat_decay__ge_0=reheat_decay >= 0,
-               reheat_width__gt_0=reheat_width is None or reheat_width > 0, warmup_steps__ge_0=warmup_steps >= 0)
+               reheat_width__gt_0=reheat_width is None or reheat_width > 0, warmup_steps__ge_0=warmup_steps >= 0,
+               max_steps__ge_1=max_steps is None or max_steps >= 1)
         self.sigma_start, self.sigma_end, self.period = float(sigma_start), float(sigma_end), int(period)
         self.reheat_amplitude, self.reheat_decay, self.relative = reheat_amplitude, reheat_decay, relative
         self.reheat_width = float(reheat_width) if reheat_width is not None else period / 4.0
@@ -287,7 +298,9 @@ class AdaptiveNoise(NoiseController):
                  boost: float = 2.0, sigma_max: float = 2e-2, cooldown: int = 10,
                  entropy_floor: float | None = None, sigma_min: float = 0.0) -> None:
         super().__init__()
-        _check("AdaptiveNoise", window__ge_1=window >= 1, cooldown__ge_0=cooldown >= 0, epsilon__ge_0=epsilon >= 0,
+        _check("AdaptiveNoise", finite=dict(epsilon=epsilon, boost=boost, sigma_max=sigma_max, sigma_min=sigma_min,
+                                            entropy_floor=entropy_floor),
+               window__ge_1=window >= 1, cooldown__ge_0=cooldown >= 0, epsilon__ge_0=epsilon >= 0,
                boost__gt_0=boost > 0, sigma_min__ge_0=sigma_min >= 0, sigma_max__ge_sigma_min=sigma_max >= sigma_min)
         self.base = base if base is not None else ExponentialSchedule()
         self.window, self.epsilon, self.boost, self.sigma_max = int(window), epsilon, boost, sigma_max

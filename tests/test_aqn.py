@@ -513,3 +513,27 @@ def test_entropy_rises_with_sigma():
     ents = list(table.values())
     assert ents[1] >= ents[0] - 0.01 and ents[2] > ents[0] and ents[3] > ents[2]
     assert ents[3] > ents[0] + 0.2  # measured: ~0.09 at sigma 0 vs ~0.5 at sigma 0.5
+
+
+_INF, _NAN = float("inf"), float("nan")
+
+
+@pytest.mark.parametrize("build,message", [
+    (lambda: ConstantNoise(_INF), "ConstantNoise needs a finite sigma, got inf"),
+    (lambda: ExponentialSchedule(sigma_start=_INF), "ExponentialSchedule needs a finite sigma_start, got inf"),
+    (lambda: ExponentialSchedule(sigma_end=_NAN), "ExponentialSchedule needs sigma_start, sigma_end > 0"),
+    (lambda: LinearSchedule(1e-2, _INF), "LinearSchedule needs a finite sigma_end, got inf"),
+    (lambda: LinearSchedule(max_steps=0), "LinearSchedule needs max_steps >= 1"),
+    (lambda: OscillatingSchedule(sigma_start=_INF), "OscillatingSchedule needs a finite sigma_start"),
+    (lambda: OscillatingSchedule(reheat_amplitude=_INF), "OscillatingSchedule needs a finite reheat_amplitude"),
+    (lambda: OscillatingSchedule(reheat_decay=_INF), "OscillatingSchedule needs a finite reheat_decay"),
+    (lambda: OscillatingSchedule(reheat_width=_INF), "OscillatingSchedule needs a finite reheat_width"),
+    (lambda: AdaptiveNoise(sigma_max=_INF), "AdaptiveNoise needs a finite sigma_max"),
+    (lambda: AdaptiveNoise(boost=_INF), "AdaptiveNoise needs a finite boost"),
+    (lambda: AdaptiveNoise(epsilon=_NAN), "AdaptiveNoise needs a finite epsilon"),
+    (lambda: AdaptiveNoise(entropy_floor=_NAN), "AdaptiveNoise needs a finite entropy_floor"),
+], ids=lambda x: x if isinstance(x, str) else "")
+def test_non_finite_controller_settings_fail_at_construction(build, message):
+    """`sigma >= 0` holds for inf: an infinite sigma_start was refused only at step 1, by the noisy norms."""
+    with pytest.raises(ValueError, match=message):
+        build()
