@@ -7,6 +7,7 @@ the rewards (the model's boxed answer; a best-effort answer for logging tables).
 from __future__ import annotations
 
 import re
+import unicodedata
 
 # Optional whitespace is legal LaTeX (`\boxed {5}`); `\fbox` is what some models emit instead.
 _BOX_RE = re.compile(r"\\(?:boxed|fbox)\s*\{")
@@ -29,6 +30,13 @@ _NUMBER_RE = re.compile(r"-?\d[\d,]*(?:\.\d+)?|-?\.\d+")
 # and the horizontal bar only as a sign -- before a digit and not after a letter, digit, bracket or
 # point, where `3–5` is a range and `answer—5` punctuation.
 _MINUS_RE = re.compile("[\u2212\ufe63\uff0d]|(?<![\\w)\\]}.,])[\u2012-\u2015](?=\\d)")
+# A decimal digit other than 0-9 (`\d` of a str pattern is Unicode category Nd, what str.isdecimal
+# accepts: fullwidth `１２`, Arabic-Indic `٧٢`, Devanagari `७२`...). Not NFKC, which would also
+# turn superscripts (`x²`) and circled or fraction forms into plain digits: other answers.
+_NON_ASCII_DIGIT_RE = re.compile(r"(?![0-9])\d")
+# Zero-width space, non-joiner, joiner, word joiner and BOM: invisible, but they split a number
+# (`1\u200b2` is two numbers to math-verify); deleted, never replaced by a space.
+_ZERO_WIDTH = dict.fromkeys(map(ord, "\u200b\u200c\u200d\u2060\ufeff"))
 
 
 def _boxed_spans(text: str) -> list[tuple[int, int]]:
@@ -126,6 +134,17 @@ def normalize_minus(text: str) -> str:
     return _MINUS_RE.sub("-", text)
 
 
+def normalize_digits(text: str) -> str:
+    """``text`` with every Unicode decimal digit written as its ASCII digit (``\\boxed{１２}``,
+    ``٧٢``, ``७२`` → ``12``, ``72``, ``72``) and zero-width characters deleted (``1\\u200b2`` → ``12``):
+    math-verify and the regexes here read only ASCII digits. Superscripts and other digit-like
+    symbols stay as they are (see `_NON_ASCII_DIGIT_RE`). Linear time; ASCII text is returned as is."""
+    if text.isascii():
+        return text
+    text = text.translate(_ZERO_WIDTH)
+    return _NON_ASCII_DIGIT_RE.sub(lambda m: str(unicodedata.decimal(m.group(), m.group())), text)
+
+
 def extract_gsm8k_gold(answer_field: str) -> str:
     """Gold answer of a GSM8K ``answer`` field: text after the last ``####``.
 
@@ -154,6 +173,7 @@ def extract_answer(completion: str) -> str | None:
     """
     if not isinstance(completion, str) or not completion:
         return None
+    completion = normalize_digits(completion)  # as MathAccuracy reads every completion
     boxed = extract_boxed(completion)
     if boxed is not None:
         return boxed

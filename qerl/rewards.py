@@ -30,6 +30,7 @@ from __future__ import annotations
 import logging
 import math
 import re
+import sys
 import time
 from functools import lru_cache
 from typing import Any
@@ -38,7 +39,8 @@ import math_verify
 from sympy import Basic, MatrixBase
 
 from qerl.answers import (  # noqa: F401
-    _boxed_spans, boxed_answers, extract_answer, extract_boxed, extract_gsm8k_gold, hash_answer, normalize_minus)
+    _ZERO_WIDTH, _boxed_spans, boxed_answers, extract_answer, extract_boxed, extract_gsm8k_gold, hash_answer,
+    normalize_digits, normalize_minus)
 from qerl.deadline import call_with_deadline as _deadline
 
 logger = logging.getLogger(__name__)
@@ -167,6 +169,9 @@ class MathAccuracy(RewardFunction):
         """Score one completion; never raises (errors and timeouts give 0.0)."""
         if not isinstance(completion, str) or not isinstance(gold, str) or not gold.strip():
             return 0.0
+        # Unicode digits as ASCII and zero-width characters gone (`\boxed{１２}`, `1\u200b2`), in the
+        # completion and the gold alike: math-verify reads neither as 12.
+        completion, gold = normalize_digits(completion), normalize_digits(gold)
         # Replace rather than add, in the box, an unboxed answer and the gold alike: math-verify 0.9
         # reads `5\,000` as 5*0 = 0 and `5\,001` as 6.
         text, gold = _DIGIT_SEP_RE.sub("", completion), _SPACE_SEP_RE.sub("", _DIGIT_SEP_RE.sub("", gold))
@@ -189,6 +194,11 @@ class MathAccuracy(RewardFunction):
         # a gold with unit words (`5 dollars`, `\text{5 cm}`: custom sets) is its number, as a
         # prediction's box is; math-verify alone reads `5 dollars` as 5*a*do*l*l*r*s
         gold_text = _text_number(gold.strip()) or gold.strip()
+        # integers longer than Python's int-string limit: math-verify cannot convert them (it scores 0
+        # silently), so they are compared here as digit strings (linear; `limit` bounds the box)
+        exact = _long_integers_equal(gold_text, boxed if boxed is not None else hash_answer(pred_text))
+        if exact is not None:
+            return 1.0 if exact else 0.0
 
         def run() -> bool:
             # verify() only treats a *list* as alternatives; a tuple would be one odd expression.
@@ -217,6 +227,39 @@ class MathAccuracy(RewardFunction):
     def compute(self, completions: list[str], answers: list[str]) -> list[float]:
         self._warm_up()
         return [self.score_one(c, a) for c, a in zip(completions, answers)]
+
+
+# An integer as a gold or a box holds it: digits, optionally signed, optionally in groups of three
+# separated by commas (`1,000,000`).
+_INTEGER_RE = re.compile(r"([-+]?)(\d{1,3}(?:,\d{3})+|\d+)")
+_long_integer_warned = [False]
+
+
+def _long_integers_equal(gold: str, pred: str | None) -> bool | None:
+    """Whether two integers are equal, compared as digit strings, when either has more digits than
+    Python converts (``sys.get_int_max_str_digits()``, 4300 by default: math-verify's parse of such a
+    number fails and the answer would score 0 however right it is); None when math-verify should
+    decide (both short, or one side is not a plain integer: then a long gold is logged once, as it
+    cannot be matched). Raising the limit instead would let a completion's long number cost
+    quadratic time in int(); a string comparison is linear."""
+    limit = sys.get_int_max_str_digits()
+    g = _INTEGER_RE.fullmatch(gold)
+    p = _INTEGER_RE.fullmatch(pred.strip()) if pred is not None else None
+    if not limit or (len(gold) <= limit and (p is None or len(p.group(2)) <= limit)):
+        return None
+    if g is None or p is None:
+        if g is not None and not _long_integer_warned[0]:
+            _long_integer_warned[0] = True
+            logger.warning("MathAccuracy: a gold integer of %d digits (more than Python's int-string limit, %d) is "
+                           "matched only by a plain integer answer (boxed, or after ####); other forms of it score 0",
+                           len(gold), limit)
+        return None
+
+    def canonical(m: re.Match) -> str:
+        digits = m.group(2).replace(",", "").lstrip("0") or "0"
+        return digits if digits == "0" or m.group(1) != "-" else "-" + digits
+
+    return canonical(g) == canonical(p)
 
 
 @lru_cache(maxsize=4096)
@@ -344,6 +387,8 @@ class FormatReward(RewardFunction):
 
     def __init__(self, max_chars_after: int | None = None) -> None:
         super().__init__()
+        if max_chars_after is not None and not max_chars_after >= 0:  # (negative: every completion scored 0)
+            raise ValueError(f"FormatReward: max_chars_after must be >= 0 or null, got {max_chars_after}")
         self.max_chars_after = max_chars_after
 
     def score_one(self, completion: Any) -> float:
@@ -354,7 +399,7 @@ class FormatReward(RewardFunction):
         if len(spans) != 1:
             return 0.0
         start, end = spans[0]
-        if not completion[start:end].strip():
+        if not completion[start:end].translate(_ZERO_WIDTH).strip():  # (a zero-width character is no answer)
             return 0.0
         if self.max_chars_after is not None and len(completion) - (end + 1) > self.max_chars_after:
             return 0.0
@@ -385,6 +430,9 @@ class WeightedSum(RewardFunction):
             weights = [1.0] * len(rewards)
         if len(weights) != len(rewards):
             raise ValueError(f"{len(rewards)} rewards but {len(weights)} weights")
+        bad = [i for i, w in enumerate(weights) if not math.isfinite(float(w))]
+        if bad:  # a NaN weight makes every sum NaN, which RewardFunction then zeroes: no signal, every step
+            raise ValueError(f"WeightedSum: weights must be finite, got weights[{bad[0]}] = {weights[bad[0]]}")
         self.rewards = list(rewards)
         self.weights = [float(w) for w in weights]
         self._keys: list[str] = []

@@ -554,3 +554,58 @@ def test_many_boxes_cost_linear_time():
     text = "\\boxed{1}" * 110_000 + "\\boxed{\\boxed{2} and 3}"
     assert boxed_answers(text) == ["1", "\\boxed{2} and 3"]
     assert boxed_answers("\\boxed{a} \\boxed{\\fbox{b}} \\boxed{a} \\boxed{c") == ["a", "\\fbox{b}"]
+
+
+@pytest.mark.parametrize("completion, gold", [
+    ("\\boxed{１２}", "12"),                       # fullwidth
+    ("\\boxed{٧٢}", "72"),                         # Arabic-Indic
+    ("so the answer is \\boxed{७२}.", "72"),       # Devanagari
+    ("\\boxed{1\u200b2}", "12"),                   # zero-width space inside the number
+    ("\\boxed{\ufeff1\u20602\u200c}", "12"),       # BOM, word joiner, non-joiner
+    ("\\boxed{12}", "１２"),                       # the gold's digits too
+    ("#### ٣٠", "30"),                             # without a box
+], ids=["fullwidth", "arabic-indic", "devanagari", "zero-width", "other-invisibles", "gold", "hash-line"])
+def test_unicode_digits_and_zero_width_characters_score(completion, gold) -> None:
+    assert MathAccuracy()([completion], [gold]) == [1.0]
+
+
+def test_digit_normalization_is_not_nfkc() -> None:
+    """Only decimal digits become ASCII: a superscript or a vulgar fraction is another answer."""
+    from qerl.answers import normalize_digits
+
+    assert normalize_digits("x² ½ ①, ١٢\u200b3") == "x² ½ ①, 123"
+    assert MathAccuracy()(["\\boxed{2²}", "\\boxed{٧٣}"], ["22", "72"]) == [0.0, 0.0]
+    assert extract_answer("the answer is ٧٢") == "72"  # the logged answer is the one scored
+
+
+def test_integers_past_pythons_int_string_limit_are_compared_as_digits(caplog) -> None:
+    """math-verify converts an integer of more than 4300 digits (sys.get_int_max_str_digits) with int()
+    and fails: a right answer scored 0 silently. Such integers are compared as digit strings (linear;
+    the limit is not raised, so a completion's long number cannot cost quadratic time)."""
+    import sys
+
+    n = sys.get_int_max_str_digits() + 700
+    big = "12345" * (n // 5)
+    reward = MathAccuracy()
+    assert reward([f"\\boxed{{{big}}}", f"#### {big}", f"\\boxed{{{big[:-1]}9}}", f"\\boxed{{00{big}}}", "\\boxed{5}"],
+                  [big] * 5) == [1.0, 1.0, 0.0, 1.0, 0.0]
+    assert reward([f"\\boxed{{{big}}}", f"\\boxed{{-{big}}}"], ["5", f"-{big}"]) == [0.0, 1.0]
+    rewards_module._long_integer_warned[0] = False
+    with caplog.at_level(logging.WARNING, logger="qerl.rewards"):
+        assert reward([f"\\boxed{{{big}.0}}"], [big]) == [0.0]  # not a plain integer: math-verify's, and 0
+    assert "a gold integer of" in caplog.text and "int-string limit" in caplog.text
+    assert sys.get_int_max_str_digits() == n - 700  # (left as it was)
+
+
+def test_non_finite_reward_weights_fail_at_construction() -> None:
+    """A NaN weight made every sum NaN, which RewardFunction zeroes: no reward at any step, no error."""
+    for bad in (float("nan"), float("inf"), float("-inf")):
+        with pytest.raises(ValueError, match=r"WeightedSum: weights must be finite, got weights\[0\]"):
+            WeightedSum([MathAccuracy(), FormatReward()], weights=[bad, 0.2])
+    with pytest.raises(ValueError, match="max_chars_after must be >= 0"):
+        FormatReward(max_chars_after=-1)
+
+
+def test_a_box_of_zero_width_characters_is_empty() -> None:
+    """`\\boxed{\\u200b}` looks empty and is: no format bonus for an invisible answer."""
+    assert FormatReward()(["\\boxed{\u200b}", "\\boxed{\ufeff \u200d}", "\\boxed{1}"], ["1"] * 3) == [0.0, 0.0, 1.0]
