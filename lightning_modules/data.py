@@ -36,6 +36,8 @@ first dataloader is built, so either order works.
 from __future__ import annotations
 
 import logging
+import numbers
+import typing
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -125,14 +127,25 @@ class PromptDataModule(L.LightningDataModule):
         tokenizer_name_or_path: str | None = None,
     ):
         super().__init__()
-        if prompts_per_step < 1:
-            raise ValueError(f"prompts_per_step must be >= 1, got {prompts_per_step}")
-        if max_prompt_length < 1 or (max_eval_prompt_length is not None and max_eval_prompt_length < 1):
-            raise ValueError(f"data.max_prompt_length and max_eval_prompt_length must be >= 1, got "
-                             f"{max_prompt_length} and {max_eval_prompt_length}")
-        for key, value in (("num_train_examples", num_train_examples), ("num_val_examples", num_val_examples)):
-            if value is not None and value < 1:
-                raise ValueError(f"data.{key} must be >= 1 or null (all rows), got {value}")
+        # every count is checked here, naming its key, not when the first dataloader is built (after
+        # the model has loaded); `not value >= n` also refuses a NaN or a string that slipped through
+        for key, value, least, null in (
+            ("prompts_per_step", prompts_per_step, 1, None),
+            ("max_prompt_length", max_prompt_length, 1, None),
+            ("max_eval_prompt_length", max_eval_prompt_length, 1, "no limit"),
+            ("num_train_examples", num_train_examples, 1, "all rows"),
+            ("num_val_examples", num_val_examples, 1, "all rows"),
+            ("val_prompts_per_batch", val_prompts_per_batch, 1, "prompts_per_step"),
+            ("seed", seed, 0, "seed_everything's"),
+            ("num_workers", num_workers, 0, None),
+        ):
+            if value is None and null is not None:
+                continue
+            if isinstance(value, bool) or not isinstance(value, numbers.Integral) or not value >= least:
+                either = f" or null ({null})" if null is not None else ""
+                raise ValueError(f"data.{key} must be >= {least}{either}, an integer; got {value!r}")
+        if layout not in typing.get_args(Layout):  # (the CLI checks it; a module built in code did not)
+            raise ValueError(f"data.layout must be one of {', '.join(typing.get_args(Layout))}, got {layout!r}")
         self.save_hyperparameters()
         self.train_source = train_source
         self.val_sources = dict(val_sources or {})

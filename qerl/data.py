@@ -20,8 +20,8 @@ thousands separators), ``math`` (``problem`` + ``answer``, or the last
 ``answer_key``), and ``auto`` (detected from the first row whose keys match one of the above;
 explicit keys mean ``custom``). Every layout honours ``prompt_key``/``answer_key`` overrides.
 
-Bad rows (invalid JSON or UTF-8, text with a lone surrogate, missing or empty fields, a NaN answer)
-are skipped with a warning naming the line/row, and counted (`LoadedExamples.num_skipped`); only a
+Bad rows (invalid JSON or UTF-8, text with a lone surrogate, missing or empty fields, a NaN or
+infinite number, e.g. JSON's ``1e400``) are skipped with a warning naming the line/row, and counted (`LoadedExamples.num_skipped`); only a
 source with no usable row at all is an error.
 """
 
@@ -30,6 +30,7 @@ from __future__ import annotations
 import logging
 import math
 import random
+import re
 import struct
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -90,6 +91,10 @@ def _as_text(value: Any, key: str = "") -> str:
         # `answer: true` or `answer: ["5"]` would otherwise become the gold "True" / "['5']"
         raise _BadRow(f"field {key!r} is a {type(value).__name__} ({str(value)[:40]}), not text or a number")
     if isinstance(value, float):
+        if math.isnan(value):  # (a pandas / parquet missing value, or JSON's `NaN`)
+            raise _BadRow(f"field {key!r} is NaN (a missing value), not an answer")
+        if not math.isfinite(value):  # JSON's `1e400` overflows to inf: no gold is "inf"
+            raise _BadRow(f"field {key!r} is a non-finite number ({value}; JSON's 1e400 overflows a float)")
         return _float_text(value)
     text = str(value).strip()
     try:
@@ -112,12 +117,8 @@ def _float32(value: float) -> float | None:
 def _float_text(value: float) -> str:
     """A numeric answer as a person writes it: positional (``5e-05`` → ``0.00005``: math-verify
     reads ``5e-05`` as e − 5), integers without ``.0``, and a float32 column's value by its own
-    shortest digits (``123.44999694824219`` → ``123.45``). NaN (a pandas / parquet missing value,
-    or JSON's ``NaN``) is no answer: ``""``, so the row is skipped as one with an empty field."""
-    if math.isnan(value):
-        return ""
-    if not math.isfinite(value):
-        return str(value)
+    shortest digits (``123.44999694824219`` → ``123.45``). A finite value (`_as_text` skips the row
+    of a NaN or an infinity, each with its own reason)."""
     if value.is_integer():
         return str(int(value))
     text = repr(value)
@@ -126,9 +127,19 @@ def _float_text(value: float) -> str:
     return format(Decimal(text), "f")
 
 
+def _missing_as_none(value: Any, fallback: bool) -> Any:
+    """``value``, or None for a NaN (a parquet column's missing value) when the row has a ``fallback``
+    (a MATH row's ``solution``, whose box is then the answer)."""
+    return None if fallback and isinstance(value, float) and math.isnan(value) else value
+
+
 def _is_bare_answer(text: str) -> bool:
-    """A one-line answer short enough to be the answer itself, not a worked solution."""
-    return bool(text) and "\n" not in text.strip() and len(text) <= _MAX_BARE_ANSWER
+    """A one-line answer short enough to be the answer itself, not a worked solution; or an integer
+    of any length (a JSON integer longer than ``int()`` converts is read as its digits)."""
+    return bool(text) and "\n" not in text.strip() and (len(text) <= _MAX_BARE_ANSWER or bool(_INTEGER.fullmatch(text)))
+
+
+_INTEGER = re.compile(r"[-+]?\d+")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -172,13 +183,13 @@ def _row_to_pair(row: Any, layout: str, prompt_key: str | None, answer_key: str 
         if answer_key is not None:
             raw = _field(row, answer_key)
             answer = extract_boxed(raw) or raw
-        elif _as_text(row.get("answer"), "answer"):
+        elif _as_text(_missing_as_none(row.get("answer"), "solution" in row), "answer"):
             answer = _as_text(row["answer"], "answer")
         elif "solution" in row:
             answer = extract_boxed(_as_text(row["solution"], "solution")) or ""
             if not answer:
                 raise _BadRow("no 'answer' field and no \\boxed{} in 'solution'")
-        elif "answer" in row:  # null, NaN or blank
+        elif "answer" in row:  # null or blank (a NaN: `_as_text` names it)
             raise _BadRow("empty field 'answer' and no 'solution'")
         else:
             raise _BadRow(f"missing field 'answer' or 'solution' (row has {sorted(row)})")

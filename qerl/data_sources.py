@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import sys
 from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
@@ -45,7 +46,7 @@ def _read_jsonl(path: Path) -> Iterator[_RawRow]:
                 row = BadRow(f"invalid UTF-8 (byte {ord(bad.group()) - 0xDC00:#04x} at column {bad.start() + 1})")
             else:
                 try:
-                    row = json.loads(line)
+                    row = _loads(line)
                 except json.JSONDecodeError as e:
                     # (the line without its newline: a truncated row's error is then at its end, not
                     # at "column 1" of the line after it)
@@ -55,9 +56,22 @@ def _read_jsonl(path: Path) -> Iterator[_RawRow]:
             index += 1
 
 
+def _int_or_text(digits: str) -> int | str:
+    """A JSON integer as an int, or as its digits where it is longer than Python converts
+    (``sys.get_int_max_str_digits()``: json.loads would raise, and one such answer ended the whole
+    load); MathAccuracy compares such long integers as digit strings."""
+    limit = sys.get_int_max_str_digits()
+    return digits if limit and len(digits.lstrip("-")) > limit else int(digits)
+
+
+def _loads(text: str) -> Any:
+    """``json.loads``, with integers too long for ``int()`` kept as their digits (`_int_or_text`)."""
+    return json.loads(text, parse_int=_int_or_text)
+
+
 def _json_error(text: str) -> json.JSONDecodeError | None:
     try:
-        json.loads(text)
+        _loads(text)
     except json.JSONDecodeError as e:
         return e
     return None
@@ -97,7 +111,7 @@ def _read_json(path: Path) -> Iterator[_RawRow]:
     # undecodable bytes become lone surrogates, as in `_read_jsonl`, so they can be reported by position
     text = path.read_bytes().decode("utf-8-sig", errors="surrogateescape")
     try:
-        data, error = json.loads(text), None
+        data, error = _loads(text), None
     except json.JSONDecodeError as e:
         if _looks_like_json_lines(text):  # JSON Lines saved as .json: a broken line is one bad row
             yield from _read_jsonl(path)

@@ -519,7 +519,7 @@ def test_trainer_resume_continues_the_stream(tmp_path, tokenizer):
     (5e-05, "0.00005"),  # not "5e-05": math-verify reads that as e - 5
     (27.0, "27"), (-0.5, "-0.5"), (1e20, "100000000000000000000"),
     (float(torch.tensor(123.45, dtype=torch.float32)), "123.45"),  # a float32 parquet column
-    (0.1, "0.1"), (float("inf"), "inf"),
+    (0.1, "0.1"),
 ])
 def test_numeric_answers_are_written_as_people_write_them(value, text):
     assert qdata._as_text(value) == text
@@ -527,13 +527,12 @@ def test_numeric_answers_are_written_as_people_write_them(value, text):
 
 def test_a_nan_answer_is_an_empty_field(tmp_path, caplog):
     """A NaN (pandas' missing value, JSON's ``NaN``) is no gold: the row is skipped, not graded against 'nan'."""
-    assert qdata._as_text(float("nan")) == ""
     path = write_jsonl(tmp_path / "nan.jsonl", ['{"problem": "p1", "answer": NaN}', '{"problem": "p2", "answer": 3}',
                                                 '{"question": "q3", "answer": NaN}'])
     with caplog.at_level(logging.WARNING, logger="qerl.data"):
         ex = load_examples(path, layout="math")
     assert [e.answer for e in ex] == ["3"] and ex.num_skipped == 2
-    assert f"{path}:1: empty field 'answer' and no 'solution'" in caplog.text
+    assert f"{path}:1: field 'answer' is NaN (a missing value), not an answer" in caplog.text
     assert load_examples(path, layout="gsm8k", prompt_key="problem").num_skipped == 2  # `_field`: empty
 
 
@@ -611,3 +610,53 @@ def test_short_answer_sets_and_byte_order_marks_load(tmp_path):
 def test_a_non_positive_example_limit_names_its_key(key):
     with pytest.raises(ValueError, match=f"data.{key} must be >= 1 or null"):
         PromptDataModule(**{key: 0})
+
+
+@pytest.mark.parametrize("value", ["1e400", "-1e400", "Infinity", "NaN"])
+def test_a_non_finite_numeric_answer_is_skipped_with_its_own_reason(tmp_path, caplog, value):
+    """JSON's ``1e400`` loads as inf: no gold "inf" (nothing a model writes matches it); a NaN is a
+    missing value, not an empty field. Each is skipped, named by its line, in every layout; a MATH
+    row's NaN answer beside a solution takes the solution's box (a parquet column's missing value)."""
+    rows = ['{"question": "q1", "answer": %s}' % value, '{"question": "q2", "answer": "7"}']
+    path = write_jsonl(tmp_path / "nonfinite.jsonl", rows)
+    reason = "is NaN (a missing value)" if value == "NaN" else "is a non-finite number"
+    for kw in (dict(), dict(layout="gsm8k"), dict(layout="custom", prompt_key="question", answer_key="answer"),
+               dict(layout="math", prompt_key="question")):
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="qerl.data"):
+            ex = load_examples(path, **kw)
+        assert [e.answer for e in ex] == ["7"] and ex.num_skipped == 1, kw
+        assert f"{path}:1: field 'answer' {reason}" in caplog.text, (kw, caplog.text)
+    with_solution = write_jsonl(tmp_path / "solution.jsonl", ['{"problem": "p", "answer": NaN, "solution": "so \\\\boxed{4}"}'])
+    assert [e.answer for e in load_examples(with_solution, layout="math")] == ["4"]
+
+
+@pytest.mark.parametrize("bad", [dict(val_prompts_per_batch=-2), dict(val_prompts_per_batch=0), dict(num_workers=-1),
+                                 dict(prompts_per_step=0), dict(max_prompt_length=0), dict(max_eval_prompt_length=0),
+                                 dict(num_train_examples=0), dict(num_val_examples=-1), dict(seed=-1),
+                                 dict(prompts_per_step=2.5)],
+                         ids=lambda bad: f"{next(iter(bad))}={next(iter(bad.values()))}")
+def test_bad_data_counts_fail_at_construction_naming_their_key(bad):
+    """Before the model loads (a negative val_prompts_per_batch failed at the first validation batch,
+    with a message that did not name it)."""
+    with pytest.raises(ValueError, match=f"^data.{next(iter(bad))} must be >= [01].*an integer; got "):
+        PromptDataModule(**bad)
+    with pytest.raises(ValueError, match="data.layout must be one of"):
+        PromptDataModule(layout="gsm")
+    PromptDataModule(val_prompts_per_batch=None, seed=None, num_workers=0, max_eval_prompt_length=None)  # defaults
+
+
+def test_an_integer_answer_longer_than_int_converts_loads_as_its_digits(tmp_path):
+    """json.loads raises on an integer of more than 4300 digits (Python's int-string limit), which
+    ended the whole load; it is kept as its digits, a bare answer however long, and scores."""
+    import sys
+
+    from qerl.rewards import MathAccuracy
+
+    big = "7" * (sys.get_int_max_str_digits() + 1)
+    jsonl = write_jsonl(tmp_path / "big.jsonl", ['{"question": "q", "answer": %s}' % big, '{"question": "p", "answer": 3}'])
+    whole = tmp_path / "big.json"
+    whole.write_text('[{"question": "q", "answer": -%s}]' % big)
+    assert [e.answer for e in load_examples(jsonl)] == [big, "3"]
+    assert [e.answer for e in load_examples(str(whole))] == ["-" + big]
+    assert MathAccuracy()(["\\boxed{%s}" % big], [big]) == [1.0]
