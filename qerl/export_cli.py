@@ -77,12 +77,26 @@ def _check_paths(parser: argparse.ArgumentParser, args: argparse.Namespace) -> N
             check_adapter_dir(args.adapter)
         except ValueError as err:
             parser.error(f"--{err}")  # "--adapter PATH: ..."
-    if args.device.startswith("cuda") and not torch.cuda.is_available():
-        parser.error(f"--device {args.device}, but this machine has no CUDA device (torch {torch.__version__})")
+    _check_device(parser, args.device)
     if args.from_trained_base and (args.format != "bf16" or not args.adapter):
         parser.error("--from-trained-base goes with --format bf16 and an --adapter")
     if args.from_trained_base and args.from_nvfp4:
         parser.error("--from-nvfp4 or --from-trained-base: one base, not both")
+
+
+def _check_device(parser: argparse.ArgumentParser, device: str) -> None:
+    """--device is cpu or cuda[:N] of this machine: anything else (``tpu``, a typo) failed only in the
+    model loader, and ``meta`` (a valid torch device) would load shapes without weights."""
+    try:
+        parsed = torch.device(device)
+    except (RuntimeError, ValueError, TypeError):
+        parser.error(f"--device {device}: not a device (cpu, cuda or cuda:N)")
+    if parsed.type not in ("cpu", "cuda"):
+        parser.error(f"--device {device}: the export runs on cpu or cuda[:N], not {parsed.type}")
+    if parsed.type == "cuda" and not torch.cuda.is_available():
+        parser.error(f"--device {device}, but this machine has no CUDA device (torch {torch.__version__})")
+    if parsed.type == "cuda" and parsed.index is not None and parsed.index >= torch.cuda.device_count():
+        parser.error(f"--device {device}, but this machine has {torch.cuda.device_count()} CUDA device(s)")
 
 
 # What an export writes, all of which --overwrite replaces: the checkpoint, its config and tokenizer,

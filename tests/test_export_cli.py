@@ -139,3 +139,22 @@ def test_policy_refuses_a_missing_or_unreadable_adapter_file(tmp_path, adapter_d
     with pytest.raises(ValueError, match=problem.replace("(", r"\(")):
         check_adapter_dir(broken)  # (checkpointing checks model.adapter_path so before the model loads)
         load_adapter_into(policy, broken)
+
+
+@pytest.mark.parametrize("device, problem", [
+    ("tpu", "--device tpu: not a device (cpu, cuda or cuda:N)"),
+    ("cuda:x", "--device cuda:x: not a device"),
+    ("meta", "--device meta: the export runs on cpu or cuda[:N], not meta"),  # (a torch device: shapes, no weights)
+    ("mps", "--device mps: the export runs on cpu or cuda[:N], not mps"),
+])
+def test_a_device_the_export_cannot_use_is_one_line_before_loading(tmp_path, capsys, monkeypatch, device, problem):
+    import qerl.export_cli
+
+    def never(*args, **kwargs):
+        raise AssertionError("the model loaded before --device was checked")
+    monkeypatch.setattr(qerl.export_cli, "load_policy", never)
+    with pytest.raises(SystemExit) as code:
+        main(["--model", "tiny-qwen2", "--out", str(tmp_path / "o8"), "--device", device])
+    assert code.value.code == 2
+    assert problem in capsys.readouterr().err.strip().splitlines()[-1]
+    assert not (tmp_path / "o8").exists()
