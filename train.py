@@ -3,6 +3,7 @@
 
 import glob
 import logging
+import math
 import os
 import re
 import sys
@@ -42,43 +43,87 @@ class QeRLParser(LightningArgumentParser):
         super().error(message, ex)
 
 
+# The sections of a config that hold a class's settings: anything but a mapping there (`trainer: 5`,
+# `data: [1, 2]`, or an empty `model:`, which YAML reads as null) was a TypeError deep in jsonargparse.
+_SECTIONS = ("trainer", "model", "data")
+
+
+def check_sections(config) -> None:
+    """A ValueError naming the first section of a parsed (subcommand) config that is not a mapping."""
+    for key in _SECTIONS:
+        value = config.get(key) if key in config else {}
+        if not hasattr(value, "items"):  # (a jsonargparse Namespace or a dict)
+            got = "null (an empty section?)" if value is None else f"{type(value).__name__} {value!r}"[:80]
+            raise ValueError(f"the config's `{key}` section must be a mapping of its settings (`{key}:` with keys "
+                             f"under it), got {got}")
+
+
+def check_trainer_settings(trainer) -> None:
+    """Trainer values Lightning takes and fails on only later: ``val_check_interval`` 0 ran a training
+    step and then divided by it (a ZeroDivisionError from Lightning's loop); a negative or NaN one
+    never validates. (A float in (0, 1] is Lightning's fraction of an epoch: its own check.)"""
+    value = trainer.get("val_check_interval") if trainer is not None else None
+    if value is not None and not (value > 0 and math.isfinite(value)):
+        raise ValueError(f"trainer.val_check_interval must be > 0 (an int: validate every N training batches), "
+                         f"got {value}")
+
+
 def checkpoint_dirs(config) -> list[str]:
     """The ``dirpath`` of every ModelCheckpoint in a parsed subcommand config (where ``last`` is)."""
+    check_sections(config)  # (`trainer: 5` has no callbacks to look at)
     callbacks = config.get("trainer", {}).get("callbacks") or []
     return [str(cb.init_args.dirpath) for cb in callbacks if str(getattr(cb, "class_path", "")).endswith("Checkpoint")
             and getattr(getattr(cb, "init_args", None), "dirpath", None)]
 
 
+def last_checkpoint(dirs: list[str]) -> str | None:
+    """The file Lightning resumes ``--ckpt_path last`` from: of the ``last*.ckpt`` in the checkpoint
+    callbacks' dirpaths (``ModelCheckpoint._find_last_checkpoints``: a ``.ckpt`` whose name starts with
+    ``last``, e.g. ``last-v1.ckpt``), the one modified last, as its ``_checkpoint_connector`` picks it;
+    None when there is none."""
+    found = {os.path.normpath(p) for d in dirs for p in glob.glob(os.path.join(glob.escape(d), "last*.ckpt"))}
+    return max(found, key=os.path.getmtime) if found else None
+
+
 def check_ckpt_path(subcommand: str, ckpt_path: str | None, dirs: list[str]) -> None:
     """A ``--ckpt_path`` that cannot serve the subcommand is a ValueError now, not a traceback later:
-    a file that is a directory or not a readable Lightning checkpoint; ``last`` for validate / test
-    when the checkpoint folders hold none or the config names none (Lightning would evaluate the
-    untrained model). ``fit`` with
-    ``last`` and nothing saved yet starts from scratch, as Lightning does."""
+    a file that is a directory or not a readable Lightning checkpoint, also the one ``last`` resolves
+    to (a run killed while writing it leaves a truncated zip); ``last`` for validate / test when the
+    checkpoint folders hold none or the config names none (Lightning would evaluate the untrained
+    model). ``fit`` with ``last`` and nothing saved yet starts from scratch, as Lightning does."""
     if not ckpt_path or ckpt_path in ("best", "hpc", "registry") or ckpt_path.startswith("registry:"):
         return
     if ckpt_path == "last":
-        if subcommand == "fit":
+        last = last_checkpoint(dirs)
+        if last is not None:
+            _check_checkpoint_file(last, f"--ckpt_path last ({last}, the newest last*.ckpt)")
+        elif subcommand == "fit":
             return
-        if not dirs:  # Lightning would find no `last` and evaluate the untrained model
+        elif not dirs:  # Lightning would find no `last` and evaluate the untrained model
             raise ValueError(f"--ckpt_path last: no ModelCheckpoint with a dirpath in the config, so nothing says "
                              f"where `last` is: name the .ckpt file (or add the run's ModelCheckpoint)")
-        if not any(glob.glob(os.path.join(d, "last*.ckpt")) for d in dirs):
+        else:
             raise ValueError(f"--ckpt_path last: no last*.ckpt in {', '.join(dirs)}: nothing to {subcommand} "
                              "(leave --ckpt_path out to evaluate the configured model)")
         return
-    if os.path.isdir(ckpt_path):
-        raise ValueError(f"--ckpt_path {ckpt_path} is a directory: name a .ckpt file (or last)")
     if "://" not in ckpt_path and not os.path.exists(ckpt_path):  # (a URL is Lightning's to fetch)
         raise ValueError(f"--ckpt_path {ckpt_path}: no such file (before the model loads, not after)")
-    if os.path.isfile(ckpt_path):
+    _check_checkpoint_file(ckpt_path, f"--ckpt_path {ckpt_path}")
+
+
+def _check_checkpoint_file(path: str, label: str) -> None:
+    """``label`` (the option, and for ``last`` the file it names) in a ValueError when ``path`` is a
+    directory or a file that is not a readable Lightning checkpoint; a URL is left to Lightning."""
+    if os.path.isdir(path):
+        raise ValueError(f"{label} is a directory: name a .ckpt file (or last)")
+    if os.path.isfile(path):
         try:
-            ckpt = torch.load(ckpt_path, map_location="cpu", weights_only=False)  # megabytes: only the trainable tensors
+            ckpt = torch.load(path, map_location="cpu", weights_only=False)  # megabytes: only the trainable tensors
         except Exception as err:  # noqa: BLE001 - any unreadable file: the same one-line answer
             first = str(err).splitlines()[0] if str(err) else ""
-            raise ValueError(f"--ckpt_path {ckpt_path} is not a readable checkpoint ({type(err).__name__}: {first})") from err
+            raise ValueError(f"{label} is not a readable checkpoint ({type(err).__name__}: {first})") from err
         if not isinstance(ckpt, dict) or not {"state_dict", "pytorch-lightning_version"} <= set(ckpt):
-            raise ValueError(f"--ckpt_path {ckpt_path} is not a Lightning checkpoint (no state_dict and "
+            raise ValueError(f"{label} is not a Lightning checkpoint (no state_dict and "
                              "pytorch-lightning_version: a torch.save file of something else?)")
 
 
@@ -90,7 +135,16 @@ class QeRLCLI(LightningCLI):
     more samples would silently run the checkpoint's values. Here the config (YAML and command line)
     wins for ``last`` and files alike; ``QeRLModule.on_load_checkpoint`` warns each value that
     differs from the checkpoint's (``--config <log_dir>/config.yaml`` reruns with the run's own).
-    A ``--ckpt_path`` that cannot serve the subcommand fails here (``check_ckpt_path``)."""
+    A ``--ckpt_path`` that cannot serve the subcommand fails here (``check_ckpt_path``), and so do a
+    config section that is not a mapping and trainer values Lightning fails on only after a training
+    step (``check_sections``, ``check_trainer_settings``), before anything is built."""
+
+    def parse_arguments(self, parser, args) -> None:
+        super().parse_arguments(parser, args)
+        subcommand = self.config.get("subcommand")  # (None under `main(run=False)`: the config is flat)
+        config = self.config[subcommand] if subcommand else self.config
+        check_sections(config)
+        check_trainer_settings(config.get("trainer"))
 
     def _parse_ckpt_path(self) -> None:
         subcommand = self.config.get("subcommand")

@@ -215,3 +215,64 @@ def test_silent_failure_streak_survives_resume(tmp_path, monkeypatch):
     assert ckpt["qerl_streaks"]["zero_std"] == 1
     with pytest.warns(UserWarning, match="reward std has been 0 in every group for 2 steps"):
         main(["fit", *args, "--trainer.max_steps=2", "--ckpt_path", "last"])
+
+
+@pytest.mark.parametrize("key, value, got", [("trainer", 5, "got int 5"), ("model", 5, "got int 5"),
+                                             ("data", [1, 2], r"got list \[1, 2\]"),
+                                             ("model", None, r"got null \(an empty section\?\)")])
+@pytest.mark.parametrize("subcommand", ["fit", None])
+def test_a_section_that_is_not_a_mapping_is_one_line(tmp_path, monkeypatch, key, value, got, subcommand):
+    """`trainer: 5` was an AttributeError in checkpoint_dirs, `model: 5` / `data: [1, 2]` a TypeError
+    deep in jsonargparse ("argument after ** must be a mapping"); with and without a subcommand."""
+    monkeypatch.chdir(tmp_path)
+    args = fast_args(tmp_path, 1)
+    cfg = yaml.safe_load(Path(args[1]).read_text())
+    cfg[key] = value
+    Path(args[1]).write_text(yaml.safe_dump(cfg))
+    with pytest.raises(ValueError, match=f"the config's `{key}` section must be a mapping of its settings .*{got}"):
+        main([subcommand, *args] if subcommand else args, run=subcommand is not None)
+
+
+@pytest.mark.parametrize("value", ["0", "-3", ".nan", ".inf"])
+def test_a_val_check_interval_lightning_divides_by_fails_before_the_run(tmp_path, monkeypatch, value):
+    """0 ran a training step, then a ZeroDivisionError from Lightning's loop."""
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ValueError, match="trainer.val_check_interval must be > 0"):
+        main(["fit", *fast_args(tmp_path, 1, [f"--trainer.val_check_interval={value}"])])
+
+
+def test_ckpt_path_last_checks_the_file_lightning_would_load(tmp_path, monkeypatch):
+    """`last` is the newest last*.ckpt of the checkpoint dirpaths (by modification time, as Lightning
+    picks it): a truncated one is a one-line error for fit and validate alike, as an explicit path
+    is; with none, fit starts from scratch and validate refuses."""
+    import os
+
+    from train import check_ckpt_path, last_checkpoint
+
+    monkeypatch.chdir(tmp_path)
+    a, b = tmp_path / "a", tmp_path / "b"
+    a.mkdir(), b.mkdir()
+    assert last_checkpoint([str(a), str(b)]) is None
+    check_ckpt_path("fit", "last", [str(a), str(b)])  # nothing saved yet: from scratch
+    torch.save({"state_dict": {}, "pytorch-lightning_version": "2.6"}, a / "last.ckpt")
+    good = (a / "last.ckpt").read_bytes()
+    (b / "last-v1.ckpt").write_bytes(good[: len(good) // 2])  # a run killed while writing it
+    (b / "lastly.txt").write_text("not a checkpoint name")
+    (b / "epoch=0-step=2.ckpt").write_text("not `last`")
+    os.utime(a / "last.ckpt", (1_000, 1_000))
+    assert last_checkpoint([str(a), str(b)]) == str(b / "last-v1.ckpt")
+    for subcommand in ("fit", "validate"):
+        with pytest.raises(ValueError, match=r"--ckpt_path last \(.*last-v1.ckpt, the newest last\*.ckpt\) is not a "
+                                             r"readable checkpoint \(RuntimeError: PytorchStreamReader"):
+            check_ckpt_path(subcommand, "last", [str(a), str(b)])
+    os.utime(b / "last-v1.ckpt", (500, 500))  # the readable one is newer: that is what resumes
+    assert last_checkpoint([str(a), str(b)]) == str(a / "last.ckpt")
+    check_ckpt_path("fit", "last", [str(a), str(b)])
+    check_ckpt_path("validate", "last", [str(a), str(b)])
+    # through the CLI: the config's ModelCheckpoint dirpath
+    args = fast_args(tmp_path, 1)  # (its checkpoints go to tmp_path / "ckpt")
+    (tmp_path / "ckpt").mkdir()
+    (tmp_path / "ckpt" / "last.ckpt").write_bytes(good[:100])
+    for subcommand in ("fit", "validate"):
+        with pytest.raises(ValueError, match="--ckpt_path last .*ckpt/last.ckpt, the newest last.* is not a readable"):
+            main([subcommand, *args, "--ckpt_path", "last"])
