@@ -77,7 +77,7 @@ class EvalSettings:
         # (written so that NaN fails: `nan < 0` is false, and a NaN temperature only failed at the
         # first validation, after the training steps before it)
         if not (self.temperature >= 0 and math.isfinite(self.temperature)):
-            raise ValueError(f"model.eval.temperature must be finite and >= 0, got {self.temperature}")
+            raise ValueError(f"model.eval.temperature must be >= 0 and finite, got {self.temperature}")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"model.eval.top_p must be in (0, 1], got {self.top_p}")
         PassAtK(self.samples, self.pass_k)  # a bad pass_k: its own message

@@ -75,13 +75,13 @@ class LossSettings:
         # every comparison is written so that NaN fails it (`x < 0` is false for NaN: a NaN kl_coef
         # would drop the KL term silently) and infinities are refused by name
         if self.tis_cap is not None and not (self.tis_cap > 0 and math.isfinite(self.tis_cap)):
-            raise ValueError(f"model.loss.tis_cap must be finite and > 0 (or null: no IS correction), got {self.tis_cap}")
+            raise ValueError(f"model.loss.tis_cap must be > 0 and finite (or null: no IS correction), got {self.tis_cap}")
         if not 0 < self.top_entropy_quantile <= 1:
             raise ValueError(f"model.loss.top_entropy_quantile must be in (0, 1], got {self.top_entropy_quantile}")
         for key in ("clip_low", "clip_high", "kl_coef", "entropy_coef"):
             value = getattr(self, key)
             if not (value >= 0 and math.isfinite(value)):
-                raise ValueError(f"model.loss.{key} must be finite and >= 0, got {value}")
+                raise ValueError(f"model.loss.{key} must be >= 0 and finite, got {value}")
 
 
 _CHOICES = {key: typing.get_args(typing.get_type_hints(LossSettings)[key])
@@ -115,11 +115,11 @@ class OptimizerSettings:
             raise ValueError(f"model.optimizer.lr must be > 0 and < {_MAX_LR:g}, got {self.lr}")
         if not (self.max_grad_norm > 0 and math.isfinite(self.max_grad_norm)):
             # a negative threshold flips the gradient (training goes uphill); a huge finite one is "no clipping"
-            raise ValueError(f"model.optimizer.max_grad_norm must be finite and > 0, got {self.max_grad_norm}")
+            raise ValueError(f"model.optimizer.max_grad_norm must be > 0 and finite, got {self.max_grad_norm}")
         if not 0 <= self.warmup_ratio <= 1:
             raise ValueError(f"model.optimizer.warmup_ratio must be in [0, 1], got {self.warmup_ratio}")
         if not (self.weight_decay >= 0 and math.isfinite(self.weight_decay)):
-            raise ValueError(f"model.optimizer.weight_decay must be finite and >= 0, got {self.weight_decay}")
+            raise ValueError(f"model.optimizer.weight_decay must be >= 0 and finite, got {self.weight_decay}")
         betas = tuple(self.betas)
         if len(betas) != 2 or not all(0 <= b < 1 for b in betas):  # (AdamW's own range; NaN fails it)
             raise ValueError(f"model.optimizer.betas must be two values in [0, 1), got {list(betas)}")

@@ -33,7 +33,7 @@ class SamplingSettings:
         # each check is written so that NaN fails it (`nan < 0` is false: a NaN temperature reached
         # torch.multinomial at the first rollout) and an infinite temperature is refused too
         if not (self.temperature >= 0 and math.isfinite(self.temperature)):
-            raise ValueError(f"sampling.temperature must be finite and >= 0 (0: greedy), got {self.temperature}")
+            raise ValueError(f"sampling.temperature must be >= 0 and finite (0: greedy), got {self.temperature}")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"sampling.top_p must be in (0, 1] (1: off), got {self.top_p}")
         if not self.top_k >= 0:
