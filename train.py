@@ -13,6 +13,7 @@ from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI, SaveConfigCallback
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
+from lightning_modules.checkpointing import TrainingDiverged
 from lightning_modules.data import PromptDataModule
 from lightning_modules.evaluation import claim_unused_path
 from lightning_modules.qerl_module import QeRLModule
@@ -194,9 +195,9 @@ def main(args=None, run: bool = True) -> LightningCLI:
 
 
 def cli_entry() -> None:
-    """``main()`` for the shell: a bad value, a missing file, an unknown model path or a setting the
-    machine cannot run (a GPU recipe on a CPU box) is one line on stderr (exit 2) instead of a long
-    traceback; ``QERL_TRACEBACK=1`` shows the traceback. A SIGTERM (a scheduler's preemption) stops
+    """``main()`` for the shell: a bad value, a missing file, an unknown model path, a setting the
+    machine cannot run (a GPU recipe on a CPU box) or a run that diverged (``TrainingDiverged``) is one
+    line on stderr (exit 2) instead of a long traceback; ``QERL_TRACEBACK=1`` shows the traceback. A SIGTERM (a scheduler's preemption) stops
     after the current rollout batch, saves ``last`` and exits 143, not 0."""
     try:
         main()
@@ -212,7 +213,7 @@ def cli_entry() -> None:
                                               "last checkpoints): resume with --ckpt_path last" if fit else ""),
                       file=sys.stderr)
         sys.exit(143)
-    except (ValueError, OSError, ModuleNotFoundError, MisconfigurationException) as err:
+    except (ValueError, OSError, ModuleNotFoundError, MisconfigurationException, TrainingDiverged) as err:
         if os.environ.get("QERL_TRACEBACK", "0") == "1":
             raise
         hint = ("; this config runs on a GPU (--trainer.accelerator cpu runs it here, slowly)"

@@ -276,3 +276,21 @@ def test_ckpt_path_last_checks_the_file_lightning_would_load(tmp_path, monkeypat
     for subcommand in ("fit", "validate"):
         with pytest.raises(ValueError, match="--ckpt_path last .*ckpt/last.ckpt, the newest last.* is not a readable"):
             main([subcommand, *args, "--ckpt_path", "last"])
+
+
+def test_a_diverged_run_is_one_line_naming_the_step(tmp_path, monkeypatch, capsys):
+    """Every loss NaN from the start: the ten skipped updates stop the run with one line on stderr
+    (exit 2), naming the step whose weights give them, and no traceback."""
+    import lightning_modules.qerl_module as qerl_module
+    import train
+
+    policy_loss = qerl_module.policy_loss
+    monkeypatch.setattr(qerl_module, "policy_loss",
+                        lambda *a, **k: (lambda loss, m: (loss * float("nan"), m))(*policy_loss(*a, **k)))
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr("sys.argv", ["train.py", "fit", *fast_args(tmp_path, 20)])
+    with pytest.raises(SystemExit) as code:
+        train.cli_entry()
+    assert code.value.code == 2
+    err = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
+    assert len(err) == 1 and "TrainingDiverged: training diverged: the 10 updates since step 0" in err[0], err
