@@ -62,11 +62,13 @@ def check_sections(config) -> None:
 def check_trainer_settings(trainer) -> None:
     """Trainer values Lightning takes and fails on only later: ``val_check_interval`` 0 ran a training
     step and then divided by it (a ZeroDivisionError from Lightning's loop); a negative or NaN one
-    never validates. (A float in (0, 1] is Lightning's fraction of an epoch: its own check.)"""
+    never validates. (A time, or a float, which Lightning refuses itself here: its own checks.)"""
     value = trainer.get("val_check_interval") if trainer is not None else None
-    if value is not None and not (value > 0 and math.isfinite(value)):
-        raise ValueError(f"trainer.val_check_interval must be > 0 (an int: validate every N training batches), "
-                         f"got {value}")
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return  # None, or a time ("DD:HH:MM:SS", a timedelta or its dict): Lightning's to check
+    if not (value > 0 and math.isfinite(value)):
+        raise ValueError(f"trainer.val_check_interval must be > 0 (an int: every N training batches; or a time, "
+                         f"'DD:HH:MM:SS'), got {value}")
 
 
 def checkpoint_dirs(config) -> list[str]:
@@ -83,6 +85,7 @@ def last_checkpoint(dirs: list[str]) -> str | None:
     ``last``, e.g. ``last-v1.ckpt``), the one modified last, as its ``_checkpoint_connector`` picks it;
     None when there is none."""
     found = {os.path.normpath(p) for d in dirs for p in glob.glob(os.path.join(glob.escape(d), "last*.ckpt"))}
+    found = {p for p in found if os.path.exists(p)}  # (a `save_last: link` whose target is gone: skipped)
     return max(found, key=os.path.getmtime) if found else None
 
 

@@ -107,7 +107,8 @@ ALLOCATOR_COUNTERS = ("num_alloc_retries", "num_device_alloc", "num_device_free"
 def host_cpu_mhz() -> float | None:
     """Mean current clock of the host's cores (Linux /proc/cpuinfo), None elsewhere."""
     try:
-        mhz = [float(line.split(":")[1]) for line in open("/proc/cpuinfo") if line.startswith("cpu MHz")]
+        with open("/proc/cpuinfo") as f:
+            mhz = [float(line.split(":")[1]) for line in f if line.startswith("cpu MHz")]
     except OSError:
         return None
     return statistics.mean(mhz) if mhz else None

@@ -20,6 +20,7 @@ from lightning.pytorch.utilities import rank_zero_warn
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from callbacks.summary import adopt_subclass
+from lightning_modules.checkpointing import TrainingDiverged
 
 
 class StepCheckpoint(ModelCheckpoint):
@@ -37,6 +38,8 @@ class StepCheckpoint(ModelCheckpoint):
                            "resume that run with --ckpt_path last, or give this one its own dirpath")
 
     def on_exception(self, trainer, pl_module, exception: BaseException) -> None:
+        if isinstance(exception, TrainingDiverged):  # weights not worth saving (and a save would raise
+            return  # again, hiding the message that names the step to resume from)
         super().on_exception(trainer, pl_module, exception)  # save_on_exception, if asked for
         # Lightning raises SIGTERM's exception between training batches: the state is a whole
         # rollout batch's, worth a resume (another exception may land inside an update). Not inside

@@ -42,6 +42,7 @@ class ResumeMixin:
     _rng_after_batch: dict | None = None  # the global RNG at the end of the last training batch
 
     def on_train_start(self) -> None:
+        self._fit_start_step = self.global_step  # (0, or the resumed checkpoint's step)
         # after a resume restored the optimizer and scheduler: the config's lr, betas, weight decay
         # and max_steps are what runs (warned when they differ from the checkpoint's)
         for message in apply_optimizer_settings(self.optimizers().optimizer, self.lr_schedulers(), self.optim_settings,
@@ -89,6 +90,19 @@ class ResumeMixin:
             f"training diverged: optimizer step {step} made {len(bad)} of {len(params)} trainable tensors non-finite "
             f"or overflowing (e.g. {bad[0]}) from a finite gradient: model.optimizer.lr or weight_decay too large? "
             f"Nothing of step {step} is saved; resume from a checkpoint of step {step - 1} or earlier with a smaller lr")
+
+    def skipped_streak_error(self, what: str) -> TrainingDiverged:
+        """What stops a run whose last updates all had a non-finite ``what`` (loss or gradient norm):
+        skipped, they left the weights of the streak's first step, which give them."""
+        skipped = self._streaks["skipped"]
+        first = self.global_step - skipped
+        head = f"training diverged: the {skipped} updates since step {first} all had a non-finite {what}"
+        if first <= getattr(self, "_fit_start_step", 0):  # no update of this run came before: not the lr
+            return TrainingDiverged(f"{head}, from the weights this run started with (step {first}): check the "
+                                    "base model, the AQN noise and the rewards before the lr")
+        return TrainingDiverged(f"{head} (skipped, so the weights are still those of step {first}): a too large "
+                                f"model.optimizer.lr, or rewards? Checkpoints of step {first} and later hold those "
+                                f"weights: resume from an earlier one with a smaller lr")
 
     def base_record(self) -> dict:
         """The base this run builds ({"model", "dtype", "seed", "quantization"}): saved with checkpoints

@@ -36,7 +36,7 @@ from lightning.pytorch.utilities import rank_zero_warn
 
 from qerl.logprobs import entropy_from_logits, selective_log_softmax
 from qerl.losses import group_advantages, high_entropy_mask, masked_mean, policy_loss, truncated_is_weights
-from lightning_modules.checkpointing import ResumeMixin, TrainingDiverged
+from lightning_modules.checkpointing import ResumeMixin
 from lightning_modules.settings import LIGHTNING_ADVICE_THAT_DOES_NOT_APPLY, lr_factor, param_groups, step_count_warnings
 from lightning_modules.settings import LossSettings, OptimizerSettings  # noqa: F401  (the CLI's model.loss, .optimizer)
 from lightning_modules.evaluation import EvalSettings, EvaluationMixin, claim_unused_path  # noqa: F401  (EvalSettings: the CLI's model.eval)
@@ -366,12 +366,7 @@ class QeRLModule(ResumeMixin, EvaluationMixin, StepMetricsMixin, L.LightningModu
                 sched.step()
                 self._streaks["skipped"] += 1
                 if self._streaks["skipped"] >= 10:  # else max_steps is never reached: fail loudly
-                    first = self.global_step - self._streaks["skipped"]  # the weights of step `first` give them
-                    raise TrainingDiverged(
-                        f"training diverged: the {self._streaks['skipped']} updates since step {first} all had a "
-                        f"non-finite {what} (skipped, so the weights are still those of step {first}): a too large "
-                        f"model.optimizer.lr, or rewards? Checkpoints of step {first} and later hold those weights: "
-                        f"resume from an earlier one with a smaller lr")
+                    raise self.skipped_streak_error(what)
                 continue
             self._streaks["skipped"] = 0
             for k, v in update_sums.items():

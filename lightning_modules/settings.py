@@ -74,11 +74,14 @@ class LossSettings:
                 raise ValueError(f"model.loss.{key} must be >= 1, got {getattr(self, key)}")
         # every comparison is written so that NaN fails it (`x < 0` is false for NaN: a NaN kl_coef
         # would drop the KL term silently) and infinities are refused by name
-        if self.tis_cap is not None and not (self.tis_cap > 0 and math.isfinite(self.tis_cap)):
-            raise ValueError(f"model.loss.tis_cap must be > 0 and finite (or null: no IS correction), got {self.tis_cap}")
+        if self.tis_cap is not None and not self.tis_cap > 0:  # (.inf: weights without truncation)
+            raise ValueError(f"model.loss.tis_cap must be > 0 (or null: no IS correction), got {self.tis_cap}")
         if not 0 < self.top_entropy_quantile <= 1:
             raise ValueError(f"model.loss.top_entropy_quantile must be in (0, 1], got {self.top_entropy_quantile}")
-        for key in ("clip_low", "clip_high", "kl_coef", "entropy_coef"):
+        for key in ("clip_low", "clip_high"):  # (.inf: that side unclipped)
+            if not getattr(self, key) >= 0:
+                raise ValueError(f"model.loss.{key} must be >= 0, got {getattr(self, key)}")
+        for key in ("kl_coef", "entropy_coef"):
             value = getattr(self, key)
             if not (value >= 0 and math.isfinite(value)):
                 raise ValueError(f"model.loss.{key} must be >= 0 and finite, got {value}")

@@ -132,8 +132,8 @@ def is_dequantized_base(model: str, base: dict) -> bool:
     record = read_dequantized_base(model)
     if record is None or not base.get("model"):
         return False
-    keys = ("quantization", "seed") if base["model"] in TINY_MODEL_NAMES else ("quantization",)  # (a seed
-    # builds only a tiny model's weights)
+    # (NVFP4 codes depend on the dtype the base was built in; a seed builds only a tiny model's weights)
+    keys = ("quantization", "dtype", "seed") if base["model"] in TINY_MODEL_NAMES else ("quantization", "dtype")
     return same_model(str(record["model"]), str(base["model"])) and all(
         base.get(k) is None or str(record.get(k)) == str(base[k]) for k in keys)
 
@@ -392,6 +392,9 @@ def _load_trainable_norms(peft_model: nn.Module, adapter_dir: str | Path) -> Non
         norms = load_file(str(norms_file))
     except _READ_ERRORS as err:
         raise _unreadable(norms_file, err) from err
+    if bad := non_finite_tensors(norms):
+        raise ValueError(f"{norms_file}: {len(bad)} of its {len(norms)} norm scales hold non-finite values "
+                         f"(e.g. {bad[0]}): written after a run diverged?")
     base = peft_model.get_base_model()
     params = dict(base.named_parameters())
     unexpected = [name for name in norms if name not in params]

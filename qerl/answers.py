@@ -33,10 +33,11 @@ _MINUS_RE = re.compile("[\u2212\ufe63\uff0d]|(?<![\\w)\\]}.,])[\u2012-\u2015](?=
 # A decimal digit other than 0-9 (`\d` of a str pattern is Unicode category Nd, what str.isdecimal
 # accepts: fullwidth `１２`, Arabic-Indic `٧٢`, Devanagari `७२`...). Not NFKC, which would also
 # turn superscripts (`x²`) and circled or fraction forms into plain digits: other answers.
-_NON_ASCII_DIGIT_RE = re.compile(r"(?![0-9])\d")
+_NON_ASCII_DIGIT_RE = re.compile(r"[^\D0-9]")
 # Zero-width space, non-joiner, joiner, word joiner and BOM: invisible, but they split a number
 # (`1\u200b2` is two numbers to math-verify); deleted, never replaced by a space.
 _ZERO_WIDTH = dict.fromkeys(map(ord, "\u200b\u200c\u200d\u2060\ufeff"))
+_ZERO_WIDTH_RE = re.compile("[\u200b\u200c\u200d\u2060\ufeff]")
 
 
 def _boxed_spans(text: str) -> list[tuple[int, int]]:
@@ -141,7 +142,8 @@ def normalize_digits(text: str) -> str:
     symbols stay as they are (see `_NON_ASCII_DIGIT_RE`). Linear time; ASCII text is returned as is."""
     if text.isascii():
         return text
-    text = text.translate(_ZERO_WIDTH)
+    if _ZERO_WIDTH_RE.search(text):  # (translate() over the whole text is the slow part: only when needed)
+        text = text.translate(_ZERO_WIDTH)
     return _NON_ASCII_DIGIT_RE.sub(lambda m: str(unicodedata.decimal(m.group(), m.group())), text)
 
 

@@ -298,7 +298,7 @@ class AdaptiveNoise(NoiseController):
                  boost: float = 2.0, sigma_max: float = 2e-2, cooldown: int = 10,
                  entropy_floor: float | None = None, sigma_min: float = 0.0) -> None:
         super().__init__()
-        _check("AdaptiveNoise", finite=dict(epsilon=epsilon, boost=boost, sigma_max=sigma_max, sigma_min=sigma_min,
+        _check("AdaptiveNoise", finite=dict(epsilon=epsilon, boost=boost, sigma_min=sigma_min,  # (sigma_max .inf: no cap)
                                             entropy_floor=entropy_floor),
                window__ge_1=window >= 1, cooldown__ge_0=cooldown >= 0, epsilon__ge_0=epsilon >= 0,
                boost__gt_0=boost > 0, sigma_min__ge_0=sigma_min >= 0, sigma_max__ge_sigma_min=sigma_max >= sigma_min)

@@ -184,13 +184,13 @@ def _base_quantization(args: argparse.Namespace, trained: str | None, at_home: b
             log.warning("--adapter was trained on the %s base: in an NVFP4 export it runs on other weights than it "
                         "trained on (--format bf16 --from-trained-base exports that base)", trained)
         return "nvfp4"
-    if at_home:
-        return "bf16"
     if args.from_nvfp4:
         if args.adapter and trained not in (None, "nvfp4"):
             log.warning("--from-nvfp4: the adapter was trained on the %s base, and runs here on NVFP4 weights "
                         "(--from-trained-base exports the base it trained on)", trained)
         return "nvfp4"
+    if at_home:  # (already dequantized: loading it as NVFP4 again would re-quantize it)
+        return "bf16"
     if args.from_trained_base:
         return trained or "nvfp4"  # not recorded: the default arm's
     if args.adapter and trained != "bf16":
@@ -289,14 +289,14 @@ def main(argv: list[str] | None = None) -> Path:
 
     def write(tmp: Path) -> None:
         export(model, tokenizer, tmp, dtype=args.dtype)
-        if args.format == "bf16" and (args.from_trained_base or at_home):  # these weights are that base:
+        if args.format == "bf16" and (args.from_trained_base or at_home) and not args.from_nvfp4:  # that base:
             # an adapter trained on it is at home here
             write_dequantized_base(tmp, dequantized_from or {"model": args.model, "dtype": base_dtype, "seed": seed,
                                                              "quantization": quantization})
         if args.adapter and (tmp / ADAPTER_SUBDIR).is_dir():  # for a later export: the base the adapter
-            # trained on (an export onto another base does not change that)
-            _write_base(tmp / ADAPTER_SUBDIR, {"model": args.model, "dtype": base_dtype, "seed": seed,
-                                               "quantization": trained_quantization})
+            # trained on, as recorded (an export onto another base or folder does not change that)
+            _write_base(tmp / ADAPTER_SUBDIR, recorded or {"model": args.model, "dtype": base_dtype, "seed": seed,
+                                                           "quantization": trained_quantization})
     out = _replace_export(Path(args.out), write)
     print(out)
     return out

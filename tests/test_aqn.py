@@ -528,7 +528,7 @@ _INF, _NAN = float("inf"), float("nan")
     (lambda: OscillatingSchedule(reheat_amplitude=_INF), "OscillatingSchedule needs a finite reheat_amplitude"),
     (lambda: OscillatingSchedule(reheat_decay=_INF), "OscillatingSchedule needs a finite reheat_decay"),
     (lambda: OscillatingSchedule(reheat_width=_INF), "OscillatingSchedule needs a finite reheat_width"),
-    (lambda: AdaptiveNoise(sigma_max=_INF), "AdaptiveNoise needs a finite sigma_max"),
+    (lambda: AdaptiveNoise(sigma_max=float("nan")), "AdaptiveNoise needs sigma_max >= sigma_min"),
     (lambda: AdaptiveNoise(boost=_INF), "AdaptiveNoise needs a finite boost"),
     (lambda: AdaptiveNoise(epsilon=_NAN), "AdaptiveNoise needs a finite epsilon"),
     (lambda: AdaptiveNoise(entropy_floor=_NAN), "AdaptiveNoise needs a finite entropy_floor"),

@@ -388,7 +388,6 @@ def test_an_update_that_overflows_the_weights_stops_before_its_checkpoint(tmp_pa
     simulated: the optimizer's second step writes an inf): the run stops at that step, before its
     checkpoint, so every checkpoint on disk is finite and the message names the step to resume from."""
     import pytest
-    from lightning.pytorch.callbacks import ModelCheckpoint
     from torch.optim.optimizer import register_optimizer_step_post_hook
 
     from lightning_modules.checkpointing import TrainingDiverged
@@ -402,7 +401,11 @@ def test_an_update_that_overflows_the_weights_stops_before_its_checkpoint(tmp_pa
                 optimizer.param_groups[0]["params"][0].fill_(float("inf"))
 
     module = QeRLModule(model="tiny-qwen2", quantization="nvfp4", dtype="fp32")
-    ckpt = ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=1, save_top_k=-1, save_last=True)
+    from callbacks.checkpoint import StepCheckpoint
+
+    # (save_on_exception: a checkpoint callback asked to save on any exception skips this one)
+    ckpt = StepCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=1, save_top_k=-1, save_last=True,
+                          save_on_exception=True)
     handle = register_optimizer_step_post_hook(overflow_on_second_step)
     try:
         with pytest.raises(TrainingDiverged, match=r"optimizer step 2 made 1 of \d+ trainable tensors non-finite or "

@@ -241,6 +241,15 @@ def test_a_val_check_interval_lightning_divides_by_fails_before_the_run(tmp_path
         main(["fit", *fast_args(tmp_path, 1, [f"--trainer.val_check_interval={value}"])])
 
 
+@pytest.mark.parametrize("value", ["2", "00:00:10:00"])
+def test_every_form_of_val_check_interval_lightning_takes_still_parses(tmp_path, monkeypatch, value):
+    """Training batches (int) and a time ("DD:HH:MM:SS", a timedelta or its dict) are Lightning's (a
+    float fraction of an epoch is refused by Lightning itself: the prompt stream has no epochs)."""
+    monkeypatch.chdir(tmp_path)
+    cli = main(fast_args(tmp_path, 1, [f"--trainer.val_check_interval={value}"]), run=False)
+    assert str(cli.config.trainer.val_check_interval) == value
+
+
 def test_ckpt_path_last_checks_the_file_lightning_would_load(tmp_path, monkeypatch):
     """`last` is the newest last*.ckpt of the checkpoint dirpaths (by modification time, as Lightning
     picks it): a truncated one is a one-line error for fit and validate alike, as an explicit path
@@ -293,4 +302,5 @@ def test_a_diverged_run_is_one_line_naming_the_step(tmp_path, monkeypatch, capsy
         train.cli_entry()
     assert code.value.code == 2
     err = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
-    assert len(err) == 1 and "TrainingDiverged: training diverged: the 10 updates since step 0" in err[0], err
+    assert len(err) == 1 and "TrainingDiverged: training diverged: the 10 updates since step 0 all had a " \
+        "non-finite loss, from the weights this run started with (step 0): check the base model" in err[0], err

@@ -427,6 +427,18 @@ def test_cli_exports_the_base_each_arm_trained_on(tmp_path, caplog, quantization
               "--out", str(tmp_path / "again")])
     assert "was trained on" not in caplog.text  # neither on another model nor on the NVFP4 base
     assert is_dequantized_base(str(tmp_path / "again"), base)
+    # ... and its adapter still records the base it trained on: a third export is at home there too
+    assert json.loads((tmp_path / "again" / ADAPTER_SUBDIR / BASE_FILE).read_text()) == base
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="qerl.export_cli"):
+        main(["--model", str(tmp_path / "again"), "--format", "bf16", "--dtype", "fp32", "--from-trained-base",
+              "--adapter", str(tmp_path / "again" / ADAPTER_SUBDIR), "--out", str(tmp_path / "third")])
+    assert "was trained on" not in caplog.text and is_dequantized_base(str(tmp_path / "third"), base)
+    served = load_adapter(AutoModelForCausalLM.from_pretrained(tmp_path / "third", dtype=torch.float32),
+                          tmp_path / "third" / ADAPTER_SUBDIR)
+    with torch.no_grad():
+        torch.testing.assert_close(served(_ids()).logits, model(_ids()).logits, rtol=0, atol=1e-5)
+    assert not is_dequantized_base(str(tmp_path / "again"), {**base, "dtype": "bf16"})  # NVFP4 codes are the dtype's
     with pytest.raises(SystemExit):
         main(["--model", "tiny-qwen2", "--format", "bf16", "--from-nvfp4", "--from-trained-base",
               "--adapter", str(tmp_path / "adapter"), "--out", str(tmp_path / "both")])

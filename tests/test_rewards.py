@@ -574,7 +574,7 @@ def test_digit_normalization_is_not_nfkc() -> None:
     from qerl.answers import normalize_digits
 
     assert normalize_digits("x² ½ ①, ١٢\u200b3") == "x² ½ ①, 123"
-    assert MathAccuracy()(["\\boxed{2²}", "\\boxed{٧٣}"], ["22", "72"]) == [0.0, 0.0]
+    assert MathAccuracy()(["\\boxed{2²}", "\\boxed{٧٢}", "\\boxed{٧٣}"], ["22", "72", "72"]) == [0.0, 1.0, 0.0]
     assert extract_answer("the answer is ٧٢") == "72"  # the logged answer is the one scored
 
 

@@ -546,7 +546,11 @@ def test_non_finite_optimizer_settings_fail_at_construction(bad):
 @pytest.mark.parametrize("key", ["clip_low", "clip_high", "kl_coef", "entropy_coef", "tis_cap", "top_entropy_quantile"])
 @pytest.mark.parametrize("value", [_NAN, _INF])
 def test_non_finite_loss_settings_fail_at_construction(key, value):
-    """A NaN kl_coef passed `kl_coef < 0` and dropped the KL term silently."""
+    """A NaN kl_coef passed `kl_coef < 0` and dropped the KL term silently. An infinite clip or IS cap
+    means "unclipped" (accepted, as before); an infinite coefficient or quantile has no meaning."""
+    if value == _INF and key in ("clip_low", "clip_high", "tis_cap"):
+        assert getattr(LossSettings(**{key: value}), key) == _INF
+        return
     with pytest.raises(ValueError, match=f"model.loss.{key} must be"):
         LossSettings(**{key: value})
 

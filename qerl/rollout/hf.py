@@ -389,6 +389,8 @@ class HFEngine(RolloutEngine):
                     try:
                         nxt = torch.multinomial(kept.softmax(-1), 1, generator=gen).squeeze(-1)
                     except RuntimeError as err:  # (NaN / inf probabilities: say where they come from)
+                        if bool(torch.isfinite(logits).all()):
+                            raise
                         raise RuntimeError(f"non-finite logits at generated token {t} ({err}): the model's "
                                            "weights or the AQN noise hold NaN / inf") from err
                 nxt = torch.where(finished, torch.full_like(nxt, self.pad_token_id), nxt)
