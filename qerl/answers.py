@@ -7,6 +7,7 @@ the rewards (the model's boxed answer; a best-effort answer for logging tables).
 from __future__ import annotations
 
 import re
+import sys
 import unicodedata
 
 # Optional whitespace is legal LaTeX (`\boxed {5}`); `\fbox` is what some models emit instead.
@@ -188,3 +189,35 @@ def extract_answer(completion: str) -> str | None:
         return clean_short_answer(hits[-1])
     numbers = _NUMBER_RE.findall(completion)
     return numbers[-1].replace(",", "") if numbers else None
+
+
+# An integer as a gold or a box holds it: digits, optionally signed, optionally in groups of three
+# separated by commas (`1,000,000`).
+_INTEGER_RE = re.compile(r"([-+]?)(\d{1,3}(?:,\d{3})+|\d+)")
+
+
+def is_long_integer(text: str) -> bool:
+    """Whether ``text`` is a plain integer with more digits than Python's ``int()`` converts
+    (``sys.get_int_max_str_digits()``, 4300 by default): math-verify fails on it."""
+    limit = sys.get_int_max_str_digits()
+    m = _INTEGER_RE.fullmatch(text)
+    return bool(limit) and m is not None and len(m.group(2).replace(",", "")) > limit
+
+
+def long_integers_equal(gold: str, pred: str | None) -> bool | None:
+    """Whether two plain integers are equal, compared as digit strings (sign, leading zeros and
+    thousands commas normalised), when either is too long for ``int()`` (:func:`is_long_integer`);
+    None when math-verify should decide (both short, or either not a plain integer). Raising the limit
+    instead would let a completion's long number cost quadratic time in ``int()``; this is linear."""
+    pred = pred.strip() if pred is not None else None
+    if not (is_long_integer(gold) or (pred is not None and is_long_integer(pred))):
+        return None
+    g, p = _INTEGER_RE.fullmatch(gold), _INTEGER_RE.fullmatch(pred) if pred is not None else None
+    if g is None or p is None:
+        return None
+
+    def canonical(m: re.Match) -> str:
+        digits = m.group(2).replace(",", "").lstrip("0") or "0"
+        return digits if digits == "0" or m.group(1) != "-" else "-" + digits
+
+    return canonical(g) == canonical(p)

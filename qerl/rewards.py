@@ -40,10 +40,11 @@ from sympy import Basic, MatrixBase
 
 from qerl.answers import (  # noqa: F401
     _ZERO_WIDTH, _boxed_spans, boxed_answers, extract_answer, extract_boxed, extract_gsm8k_gold, hash_answer,
-    normalize_digits, normalize_minus)
+    is_long_integer, long_integers_equal, normalize_digits, normalize_minus)
 from qerl.deadline import call_with_deadline as _deadline
 
 logger = logging.getLogger(__name__)
+_long_integer_warned = [False]  # (once per process: a data set's long golds would repeat it every step)
 
 # ----------------------------------------------------------------------------------------------
 # Bounded execution (the deadline itself: qerl/deadline.py)
@@ -196,9 +197,14 @@ class MathAccuracy(RewardFunction):
         gold_text = _text_number(gold.strip()) or gold.strip()
         # integers longer than Python's int-string limit: math-verify cannot convert them (it scores 0
         # silently), so they are compared here as digit strings (linear; `limit` bounds the box)
-        exact = _long_integers_equal(gold_text, boxed if boxed is not None else hash_answer(pred_text))
+        exact = long_integers_equal(gold_text, boxed if boxed is not None else hash_answer(pred_text))
         if exact is not None:
             return 1.0 if exact else 0.0
+        if not _long_integer_warned[0] and is_long_integer(gold_text):
+            _long_integer_warned[0] = True
+            logger.warning("MathAccuracy: a gold integer of %d digits (more than Python's int-string limit, %d) is "
+                           "matched only by a plain integer answer (boxed, or after ####); other forms of it score 0",
+                           len(gold_text), sys.get_int_max_str_digits())
 
         def run() -> bool:
             # verify() only treats a *list* as alternatives; a tuple would be one odd expression.
@@ -227,39 +233,6 @@ class MathAccuracy(RewardFunction):
     def compute(self, completions: list[str], answers: list[str]) -> list[float]:
         self._warm_up()
         return [self.score_one(c, a) for c, a in zip(completions, answers)]
-
-
-# An integer as a gold or a box holds it: digits, optionally signed, optionally in groups of three
-# separated by commas (`1,000,000`).
-_INTEGER_RE = re.compile(r"([-+]?)(\d{1,3}(?:,\d{3})+|\d+)")
-_long_integer_warned = [False]
-
-
-def _long_integers_equal(gold: str, pred: str | None) -> bool | None:
-    """Whether two integers are equal, compared as digit strings, when either has more digits than
-    Python converts (``sys.get_int_max_str_digits()``, 4300 by default: math-verify's parse of such a
-    number fails and the answer would score 0 however right it is); None when math-verify should
-    decide (both short, or one side is not a plain integer: then a long gold is logged once, as it
-    cannot be matched). Raising the limit instead would let a completion's long number cost
-    quadratic time in int(); a string comparison is linear."""
-    limit = sys.get_int_max_str_digits()
-    g = _INTEGER_RE.fullmatch(gold)
-    p = _INTEGER_RE.fullmatch(pred.strip()) if pred is not None else None
-    if not limit or (len(gold) <= limit and (p is None or len(p.group(2)) <= limit)):
-        return None
-    if g is None or p is None:
-        if g is not None and not _long_integer_warned[0]:
-            _long_integer_warned[0] = True
-            logger.warning("MathAccuracy: a gold integer of %d digits (more than Python's int-string limit, %d) is "
-                           "matched only by a plain integer answer (boxed, or after ####); other forms of it score 0",
-                           len(gold), limit)
-        return None
-
-    def canonical(m: re.Match) -> str:
-        digits = m.group(2).replace(",", "").lstrip("0") or "0"
-        return digits if digits == "0" or m.group(1) != "-" else "-" + digits
-
-    return canonical(g) == canonical(p)
 
 
 @lru_cache(maxsize=4096)
