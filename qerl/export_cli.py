@@ -238,9 +238,17 @@ def _base_settings(parser: argparse.ArgumentParser, args: argparse.Namespace,
     return dtype, int(trained), quantization
 
 
+class _OneLineErrors(argparse.ArgumentParser):
+    """An error is one line on stderr (exit 2), as ``train.py``'s: argparse's usage block above it
+    buried the message; ``--help`` has the usage."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
 def main(argv: list[str] | None = None) -> Path:
     """``python -m qerl.export`` on ``argv`` (default: the command line); returns the export folder (printed)."""
-    parser = argparse.ArgumentParser(prog="python -m qerl.export", description=qerl.export.__doc__.split("\n\n")[0],
+    parser = _OneLineErrors(prog="python -m qerl.export", description=qerl.export.__doc__.split("\n\n")[0],
                                      epilog=_CLI_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", help="tiny-qwen2 | tiny-llama | model dir | HF id | .gguf")
     parser.add_argument("--format", choices=["nvfp4", "bf16", "adapter"], default="nvfp4",

@@ -485,7 +485,8 @@ def test_cli_refuses_to_clobber(tmp_path, capsys):
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".old.")]   # no half-written folder left
     with pytest.raises(SystemExit):
         main(["--model", str(tmp_path / "missing-model"), "--out", str(tmp_path / "y")])
-    assert "cannot load --model" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "cannot load --model" in err and "usage:" not in err, err  # one line each, no usage block
 
 
 def test_unshared_group_scales_are_refused(tmp_path):
