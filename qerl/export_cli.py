@@ -201,17 +201,17 @@ def _base_quantization(args: argparse.Namespace, trained: str | None, at_home: b
 
 
 def _base_settings(parser: argparse.ArgumentParser, args: argparse.Namespace,
-                   ckpt: dict | None) -> tuple[str, int, str | None]:
-    """(dtype, seed, quantization) of the base the adapter trained on, once --model is checked against
-    the adapter's recorded base (quantization None: not recorded); ``ckpt``: the --adapter training
-    checkpoint, read.
+                   ckpt: dict | None) -> tuple[str, int, str | None, dict | None]:
+    """(dtype, seed, quantization, record) of the base the adapter trained on, once --model is checked
+    against the adapter's recorded base (quantization None: not recorded; record: the checkpoint's or
+    ``qerl_base.json``'s, None when qerl wrote neither); ``ckpt``: the --adapter training checkpoint, read.
     With a training checkpoint, or an adapter directory qerl wrote (``qerl_base.json``), the run's:
     NVFP4 codes of weights loaded (a .gguf dequantized) or randomly initialised in another dtype
     differ, and a tiny model's weights are its seed's; ``--dtype`` then casts only the dense tensors
     written."""
     seed = 0 if args.seed is None else args.seed
     if not args.adapter:
-        return args.dtype, seed, None
+        return args.dtype, seed, None, None
     if ckpt is not None:
         base = checkpoint_base(ckpt)
     else:  # a peft adapter directory (checked by _check_paths)
@@ -223,19 +223,19 @@ def _base_settings(parser: argparse.ArgumentParser, args: argparse.Namespace,
         if base is None:  # not written by qerl: only peft's record of the base's name
             _check_trained_base(parser, args, config.get("base_model_name_or_path") if isinstance(config, dict) else None,
                                 strict=False)
-            return args.dtype, seed, None
+            return args.dtype, seed, None, None
     dtype, quantization = base.get("dtype") or args.dtype, base.get("quantization")
     _check_trained_base(parser, args, base.get("model"), strict=True, base=base)
     if args.model not in TINY_MODEL_NAMES or (base.get("model") or args.model) != args.model:
-        return dtype, seed, quantization  # the run's seed built another model
+        return dtype, seed, quantization, base  # the run's seed built another model
     trained = base.get("seed")
     if trained is None:
         if args.seed is None:
             log.warning("%s does not record its tiny model's seed: building seed 0 (else pass --seed)", args.adapter)
-        return dtype, seed, quantization
+        return dtype, seed, quantization, base
     if args.seed is not None and args.seed != trained:
         parser.error(f"--seed {args.seed}, but --adapter {args.adapter} was trained on {args.model} of seed {trained}")
-    return dtype, int(trained), quantization
+    return dtype, int(trained), quantization, base
 
 
 class _OneLineErrors(argparse.ArgumentParser):
@@ -276,8 +276,7 @@ def main(argv: list[str] | None = None) -> Path:
         print(out)
         return out
     ckpt = _read_checkpoint(parser, args.adapter) if str(args.adapter or "").endswith(".ckpt") else None  # (once)
-    base_dtype, seed, trained_quantization = _base_settings(parser, args, ckpt)
-    recorded = (checkpoint_base(ckpt) if ckpt is not None else read_base(args.adapter)) if args.adapter else None
+    base_dtype, seed, trained_quantization, recorded = _base_settings(parser, args, ckpt)
     at_home = recorded is not None and is_dequantized_base(args.model, recorded)  # (then it records what it is)
     dequantized_from = read_dequantized_base(args.model) if at_home else None
     quantization = _base_quantization(args, trained_quantization, at_home)
