@@ -18,7 +18,7 @@ import torch
 from lightning.pytorch.utilities import rank_zero_warn
 
 from lightning_modules.settings import apply_optimizer_settings, decay_flags, hparam_differences, split_one_group_state
-from qerl.adapter import non_finite_tensors
+from qerl.adapter import non_finite_tensors, refuse_non_finite
 from qerl.model import TINY_MODEL_NAMES
 from qerl.seeding import global_rng_state, set_global_rng_state
 
@@ -133,9 +133,7 @@ class ResumeMixin:
                              f"{missing[:1]}; {len(unexpected)} unexpected, e.g. {unexpected[:1]}; {len(resized)} of "
                              f"another shape{example}): model.model, model.lora (rank, targets) and its "
                              "trainable_norms must be those of the run that wrote it")
-        if bad := non_finite_tensors(state):
-            raise ValueError(f"the checkpoint holds non-finite weights ({len(bad)} of {len(state)} trainable tensors, "
-                             f"e.g. {bad[0]}), saved after its run diverged: resume from an earlier one")
+        refuse_non_finite(state, "the checkpoint", "trainable tensors", "saved after its run diverged: resume from an earlier one")
         if self.model is not None and "optimizer_states" in checkpoint:  # written before the norm scales had their own undecayed group
             flags = decay_flags(self.trainable_parameters())
             before = checkpoint["optimizer_states"]

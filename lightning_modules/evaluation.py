@@ -25,6 +25,7 @@ from qerl.metrics import PassAtK
 from qerl.model import base_model_only
 from qerl.rewards import MathAccuracy, extract_answer
 from qerl.rollout import SamplingSettings
+from qerl.rollout.base import derive_seed
 
 
 def claim_unused_path(stem: str, suffix: str = "", directory: bool = False) -> str:
@@ -58,6 +59,9 @@ class EvalSettings:
         max_new_tokens: completion cap for every evaluation completion.
         use_adapter: False evaluates the base model alone (the "before" row of a table).
         max_batch_size: sequences decoded together by the embedded engine.
+        seed: seed of the sampled completions. Problem i of a dataset draws its samples from
+            (seed, dataset, i), so they are the same at any batch size or number of GPUs, in every
+            evaluation of a run and in every run (paired samples when comparing checkpoints or arms).
         engine: rollout (the RolloutCallback's engine: vLLM when training rolls out in vLLM, the
             embedded engine otherwise or without a RolloutCallback) or hf (always the embedded engine).
     """
@@ -69,6 +73,7 @@ class EvalSettings:
     max_new_tokens: int = 1024
     use_adapter: bool = True
     max_batch_size: int = 64
+    seed: int = 0
     engine: Literal["rollout", "hf"] = "rollout"
 
     def __post_init__(self) -> None:  # fails at start, not at the first validation
@@ -81,6 +86,14 @@ class EvalSettings:
         if not 0 < self.top_p <= 1:
             raise ValueError(f"model.eval.top_p must be in (0, 1], got {self.top_p}")
         PassAtK(self.samples, self.pass_k)  # a bad pass_k: its own message
+
+
+def problem_seeds(seed: int, dataset: str, batch: dict) -> list[int]:
+    """One sampling seed per problem of an evaluation batch, from (seed, dataset, the problem's index
+    in its set), so a problem's samples do not depend on the batch or the rank that decodes it.
+    Problems without an index (a custom data module) fall back to their prompt text."""
+    keys = batch.get("indices") or batch["prompts"]
+    return [derive_seed(seed, "eval", dataset, key) for key in keys]
 
 
 def gather_records(records: dict[str, list[dict]]) -> dict[str, list[dict]]:
@@ -181,12 +194,11 @@ class EvaluationMixin:
         s, tok = self.eval_settings, self.tokenizer
         name = list(self._eval_records)[dataloader_idx]
         engine, scorer = self._evaluating_engine, self._evaluation_scorer
-        seed = 10_007 * (batch_idx + 1) + dataloader_idx
-        greedy = engine.generate(batch["prompt_ids"], 1, SamplingSettings(0.0, 1.0, 0, s.max_new_tokens), seed)
+        greedy = engine.generate(batch["prompt_ids"], 1, SamplingSettings(0.0, 1.0, 0, s.max_new_tokens), 0)
         sampled = None
         if s.samples > 0:
             sampling = SamplingSettings(s.temperature, s.top_p, 0, s.max_new_tokens)
-            sampled = engine.generate(batch["prompt_ids"], s.samples, sampling, seed)
+            sampled = engine.generate(batch["prompt_ids"], s.samples, sampling, problem_seeds(s.seed, name, batch))
         answers = list(batch["answers"])
         greedy_text = tok.batch_decode(greedy.completion_ids, skip_special_tokens=True)
         greedy_ok = torch.tensor(scorer(greedy_text, answers))  # (P,)

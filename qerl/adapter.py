@@ -67,9 +67,7 @@ def export_adapter(peft_model: nn.Module, out_dir: str | Path, base: dict | None
     if not _is_peft(peft_model):
         raise ValueError("export_adapter needs a peft model")
     trainable = {n: p.detach() for n, p in peft_model.named_parameters() if p.requires_grad}
-    if bad := non_finite_tensors(trainable):
-        raise ValueError(f"the adapter holds non-finite weights ({len(bad)} of {len(trainable)} trainable tensors, "
-                         f"e.g. {bad[0]}): nothing written")
+    refuse_non_finite(trainable, "the adapter", "trainable tensors", "nothing written")
     out = Path(out_dir)
     if base and base.get("model"):
         for config in peft_model.peft_config.values():
@@ -108,6 +106,13 @@ def non_finite_tensors(tensors: dict) -> list[str]:
     after a training run diverged: refused by resume and export rather than passed on)."""
     return [name for name, t in tensors.items()
             if torch.is_tensor(t) and t.is_floating_point() and not bool(torch.isfinite(t).all())]
+
+
+def refuse_non_finite(tensors: dict, what: str, kind: str, then: str) -> None:
+    """One line, ``<what> holds non-finite weights (<n> of <m> <kind>, e.g. <name>): <then>``, when
+    any of ``tensors`` holds a NaN or an inf."""
+    if bad := non_finite_tensors(tensors):
+        raise ValueError(f"{what} holds non-finite weights ({len(bad)} of {len(tensors)} {kind}, e.g. {bad[0]}): {then}")
 
 
 def write_dequantized_base(model_dir: Path, base: dict) -> None:
@@ -223,9 +228,7 @@ def adapter_from_checkpoint(ckpt_path: str | Path | dict, out_dir: str | Path) -
             norms[hf_name(name)] = tensor.contiguous()
     if not adapter:
         raise ValueError(f"{what}: no LoRA tensors in its state_dict (not a qerl training checkpoint?)")
-    if bad := non_finite_tensors(state):
-        raise ValueError(f"{what} holds non-finite weights ({len(bad)} of {len(state)} "
-                         f"trainable tensors, e.g. {bad[0]}), saved after its run diverged: take an earlier checkpoint")
+    refuse_non_finite(state, what, "trainable tensors", "saved after its run diverged: take an earlier checkpoint")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     lora_config(settings, hp.get("model")).save_pretrained(str(out))
@@ -271,9 +274,7 @@ def _read_adapter_weights(adapter_dir: Path, device: str) -> dict[str, torch.Ten
     except _READ_ERRORS as err:
         path = next(adapter_dir / f for f in ADAPTER_WEIGHT_FILES if (adapter_dir / f).is_file())
         raise _unreadable(path, err) from err
-    if bad := non_finite_tensors(weights):
-        raise ValueError(f"{adapter_dir}: {len(bad)} of its {len(weights)} LoRA tensors hold non-finite values "
-                         f"(e.g. {bad[0]}): written after a run diverged?")
+    refuse_non_finite(weights, str(adapter_dir), "LoRA tensors", "written after a run diverged?")
     return weights
 
 
@@ -392,9 +393,7 @@ def _load_trainable_norms(peft_model: nn.Module, adapter_dir: str | Path) -> Non
         norms = load_file(str(norms_file))
     except _READ_ERRORS as err:
         raise _unreadable(norms_file, err) from err
-    if bad := non_finite_tensors(norms):
-        raise ValueError(f"{norms_file}: {len(bad)} of its {len(norms)} norm scales hold non-finite values "
-                         f"(e.g. {bad[0]}): written after a run diverged?")
+    refuse_non_finite(norms, str(norms_file), "norm scales", "written after a run diverged?")
     base = peft_model.get_base_model()
     params = dict(base.named_parameters())
     unexpected = [name for name in norms if name not in params]

@@ -39,6 +39,9 @@ _NON_ASCII_DIGIT_RE = re.compile(r"[^\D0-9]")
 # (`1\u200b2` is two numbers to math-verify); deleted, never replaced by a space.
 _ZERO_WIDTH = dict.fromkeys(map(ord, "\u200b\u200c\u200d\u2060\ufeff"))
 _ZERO_WIDTH_RE = re.compile("[\u200b\u200c\u200d\u2060\ufeff]")
+# The Arabic decimal and thousands separators (U+066B, U+066C) between two digits: `٣٫٥` is 3.5 and
+# `١٬٠٠٠` is 1,000 (elsewhere they are left alone).
+_ARABIC_SEPARATOR_RE = re.compile("(?<=[0-9])[\u066b\u066c](?=[0-9])")
 
 
 def _boxed_spans(text: str) -> list[tuple[int, int]]:
@@ -138,14 +141,16 @@ def normalize_minus(text: str) -> str:
 
 def normalize_digits(text: str) -> str:
     """``text`` with every Unicode decimal digit written as its ASCII digit (``\\boxed{１２}``,
-    ``٧٢``, ``७२`` → ``12``, ``72``, ``72``) and zero-width characters deleted (``1\\u200b2`` → ``12``):
+    ``٧٢``, ``७२`` → ``12``, ``72``, ``72``), the Arabic decimal / thousands separators between digits
+    as ``.`` / ``,`` (``٣٫٥`` → ``3.5``) and zero-width characters deleted (``1\\u200b2`` → ``12``):
     math-verify and the regexes here read only ASCII digits. Superscripts and other digit-like
     symbols stay as they are (see `_NON_ASCII_DIGIT_RE`). Linear time; ASCII text is returned as is."""
     if text.isascii():
         return text
     if _ZERO_WIDTH_RE.search(text):  # (translate() over the whole text is the slow part: only when needed)
         text = text.translate(_ZERO_WIDTH)
-    return _NON_ASCII_DIGIT_RE.sub(lambda m: str(unicodedata.decimal(m.group(), m.group())), text)
+    text = _NON_ASCII_DIGIT_RE.sub(lambda m: str(unicodedata.decimal(m.group(), m.group())), text)
+    return _ARABIC_SEPARATOR_RE.sub(lambda m: "." if m.group() == "\u066b" else ",", text)
 
 
 def extract_gsm8k_gold(answer_field: str) -> str:

@@ -167,7 +167,9 @@ def truncated_is_weights(
     mode "truncate" (TIS): min(w, cap).  mode "mask" (MIS): w where w <= cap, else 0 (drop the token
     or sequence rather than trust a badly mismatched sample).
     Both modes are evaluated in log space, exp(min(log w, log cap)), so a long sequence's summed
-    log-ratio cannot overflow to inf; this is exact, not an approximation.
+    log-ratio cannot overflow to inf; this is exact, not an approximation. A NaN log-prob (an engine
+    that returned none for a token) gives weight 0 there, for its whole sequence at the sequence
+    levels, in either mode, rather than a NaN loss that would skip the whole batch's updates.
     Returns detached float32 (N, T) weights, 0 on padding.
     """
     valid = mask.bool()
@@ -186,7 +188,7 @@ def truncated_is_weights(
         weights = torch.where(log_ratio > log_cap, zero, weights)
     elif mode != "truncate":
         raise ValueError(f"unknown IS mode {mode!r}; expected 'truncate' or 'mask'")
-    return torch.where(valid, weights, zero)
+    return torch.where(valid & ~log_ratio.isnan(), weights, zero)
 
 
 # ------------------------------------------------------------------------------------------------

@@ -106,3 +106,13 @@ def test_micro_batching_benchmark_tiny(tmp_path):
     assert rows["padded"]["tokens"] >= rows["cut"]["tokens"] >= rows["grouped"]["tokens"]
     assert rows["grouped"]["tokens"] < rows["padded"]["tokens"]
     assert all(math.isfinite(row["seconds"]) and row["seconds"] > 0 for row in rows.values())
+
+
+def test_sampler_benchmark_tiny(tmp_path):
+    out = tmp_path / "sampler.json"
+    r = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "sampler.py"), "--batches", "1,4",
+                        "--vocab", "64", "--iters", "3", "--out", str(out)], capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert r.returncode == 0, r.stderr[-3000:]
+    rows = json.loads(out.read_text())["rows"]
+    assert [row["B"] for row in rows] == [1, 4]
+    assert all(row["multinomial_ms"] > 0 and row["inverse_cdf_ms"] > 0 and math.isfinite(row["ratio"]) for row in rows)

@@ -14,6 +14,7 @@ import yaml
 sys.path.insert(0, str(Path(__file__).parent))
 from test_cli import fast_args, scalars  # noqa: E402
 
+from lightning_modules.evaluation import problem_seeds  # noqa: E402
 from qerl.metrics import PassAtK, pass_at_k  # noqa: E402
 from qerl.rewards import MathAccuracy  # noqa: E402
 from train import main  # noqa: E402
@@ -146,6 +147,35 @@ def test_runs_without_a_logger_keep_each_others_reports_and_adapters(tmp_path, m
     assert "run1" in (tmp_path / "config-4.yaml").read_text() and "run1" not in (tmp_path / "config-3.yaml").read_text()
 
 
+def test_sampled_evaluation_is_the_same_at_any_batch_size(tmp_path, monkeypatch):
+    """Problem i draws its samples from (eval.seed, dataset, i): another evaluation batch size (or
+    number of GPUs) samples the same completions; another eval.seed draws others."""
+    from qerl.rollout.hf import HFEngine
+
+    monkeypatch.chdir(tmp_path)
+    original, sampled = HFEngine.generate, []
+
+    def generate(self, prompt_ids, n, sampling, seed):
+        out = original(self, prompt_ids, n, sampling, seed)
+        if sampling.temperature > 0:  # evaluation's sampled call: per prompt, its n completions
+            sampled.extend((tuple(p), tuple(map(tuple, out.completion_ids[i * n: (i + 1) * n])))
+                           for i, p in enumerate(prompt_ids))
+        return out
+
+    monkeypatch.setattr(HFEngine, "generate", generate)
+
+    def samples(name, *extra):
+        sampled.clear()
+        main(["validate", *fast_args(tmp_path / name, 2, extra=("--model.eval.max_new_tokens", "6", *extra))])
+        return dict(sampled)
+
+    by_8 = samples("a")
+    assert len(by_8) == 8 and any(len(set(c)) > 1 for c in by_8.values())  # 8 problems, distinct samples
+    assert samples("b", "--data.val_prompts_per_batch", "3") == by_8
+    assert samples("c", "--model.eval.seed", "1") != by_8
+    assert problem_seeds(0, "gsm8k", {"indices": [5]}) != problem_seeds(0, "math500", {"indices": [5]})
+
+
 def _record_eval_generations(monkeypatch) -> list[dict]:
     """Wrap the embedded engine's decode of a chunk: per call, was AQN noise active and was LoRA on?"""
     from peft.tuners.lora import LoraLayer
@@ -154,14 +184,14 @@ def _record_eval_generations(monkeypatch) -> list[dict]:
 
     seen, original = [], HFEngine._generate_chunk
 
-    def generate_chunk(self, prompts, sampling, gen, static=None):
+    def generate_chunk(self, prompts, sampling, row_keys, static=None):
         model = self.model
         lora = [m for m in model.modules() if isinstance(m, LoraLayer)]
         norms = [m for m in model.modules() if hasattr(m, "aqn_active")]
         seen.append({"noise": any(m.aqn_active for m in norms), "noisy_norms": len(norms),
                      "sigma": max((float(m.aqn_noise.abs().max()) for m in norms), default=0.0),
                      "lora_on": bool(lora) and not any(m.disable_adapters for m in lora)})
-        return original(self, prompts, sampling, gen, static)
+        return original(self, prompts, sampling, row_keys, static)
 
     monkeypatch.setattr(HFEngine, "_generate_chunk", generate_chunk)
     return seen

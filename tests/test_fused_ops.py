@@ -109,8 +109,8 @@ _INTERP_SCRIPT = _COMMON + textwrap.dedent("""
             ctx = fused_ops(model) if fused else __import__("contextlib").nullcontext((0, 0, False))
             groups = fused_projections(model, torch.float32) if fused == "with fused projections" else __import__("contextlib").nullcontext(0)
             with torch.no_grad(), groups as n_groups, ctx as patched:
-                gen = torch.Generator().manual_seed(1)
-                runs.append(engine._generate_chunk(prompts, sampling, gen, static=True))
+                row_keys = [(1, i) for i in range(len(prompts))]  # (prompt seed, sample) per row
+                runs.append(engine._generate_chunk(prompts, sampling, row_keys, static=True))
                 if fused:
                     assert patched == (5, 2, True), patched          # 2 layers x 2 norms + final, 2 MLPs
                     assert M.apply_rotary_pos_emb is not original_rotary

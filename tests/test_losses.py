@@ -157,6 +157,18 @@ def test_is_weights_geometric_level():
     assert_close(w, t([[1.1] * 3, [E(0.05), E(0.05), 0.0]], torch.float32))
 
 
+@pytest.mark.parametrize("mode", ["truncate", "mask"])
+def test_a_nan_sampler_log_prob_drops_its_token_or_sequence_not_the_batch(mode):
+    sampler = SAMPLER.clone()
+    sampler[1, 0] = float("nan")  # (row 1, token 0): no log-prob from the engine
+    token = truncated_is_weights(OLD, sampler, IS_MASK, "token", mode, cap=2.0)
+    assert token[1].tolist() == pytest.approx([0.0, E(-0.1), 0.0]) and torch.isfinite(token).all()
+    assert_close(token[0], truncated_is_weights(OLD, SAMPLER, IS_MASK, "token", mode, cap=2.0)[0])
+    for level in ("sequence", "geometric"):
+        w = truncated_is_weights(OLD, sampler, IS_MASK, level, mode, cap=2.0)
+        assert w[1].tolist() == [0.0, 0.0, 0.0] and torch.isfinite(w).all()
+
+
 def test_is_weights_detached_and_overflow_safe():
     old = torch.full((1, 200), 5.0, requires_grad=True)  # sequence log-ratio 1000: e^1000 = inf
     w = truncated_is_weights(old, torch.zeros(1, 200), torch.ones(1, 200), "sequence", "truncate", cap=3.0)

@@ -564,7 +564,10 @@ def test_many_boxes_cost_linear_time():
     ("\\boxed{\ufeff1\u20602\u200c}", "12"),       # BOM, word joiner, non-joiner
     ("\\boxed{12}", "１２"),                       # the gold's digits too
     ("#### ٣٠", "30"),                             # without a box
-], ids=["fullwidth", "arabic-indic", "devanagari", "zero-width", "other-invisibles", "gold", "hash-line"])
+    ("\\boxed{٣٫٥}", "3.5"),                       # Arabic decimal separator
+    ("\\boxed{١٬٠٠٠}", "1000"),                     # Arabic thousands separator
+], ids=["fullwidth", "arabic-indic", "devanagari", "zero-width", "other-invisibles", "gold", "hash-line",
+        "arabic-decimal", "arabic-thousands"])
 def test_unicode_digits_and_zero_width_characters_score(completion, gold) -> None:
     assert MathAccuracy()([completion], [gold]) == [1.0]
 
@@ -574,6 +577,7 @@ def test_digit_normalization_is_not_nfkc() -> None:
     from qerl.answers import normalize_digits
 
     assert normalize_digits("x² ½ ①, ١٢\u200b3") == "x² ½ ①, 123"
+    assert normalize_digits("٣٫٥ and ١٬٠٠٠ but a\u066bb") == "3.5 and 1,000 but a\u066bb"
     assert MathAccuracy()(["\\boxed{2²}", "\\boxed{٧٢}", "\\boxed{٧٣}"], ["22", "72", "72"]) == [0.0, 1.0, 0.0]
     assert extract_answer("the answer is ٧٢") == "72"  # the logged answer is the one scored
 

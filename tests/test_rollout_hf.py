@@ -9,6 +9,7 @@ import torch
 from qerl.aqn import attach_noisy_norms
 from qerl.model import LoraSettings, load_policy
 from qerl.rollout import SamplingSettings
+from qerl.rollout.base import prompt_seeds, sample_inverse_cdf, sample_uniforms
 from qerl.rollout.hf import HFEngine, _packed_gqa_sdpa, decode_mode, lean_lora_forward, packed_gqa_decode_attention
 
 PROMPTS = [[5, 6, 7, 8, 9], [11, 12], [13, 14, 15], [20]]  # different lengths: left padding matters
@@ -30,9 +31,9 @@ def _policy(attn: str = "sdpa", device: str = "cpu", dtype: str = "fp32", quanti
 
 def _generate(engine, model, sampling, seed, static):
     engine.sync(model)
-    gen = torch.Generator(device=next(model.parameters()).device).manual_seed(seed)
+    row_keys = [(s, 0) for s in prompt_seeds(seed, len(PROMPTS))]
     with torch.no_grad():
-        return engine._generate_chunk(PROMPTS, sampling, gen, static=static)
+        return engine._generate_chunk(PROMPTS, sampling, row_keys, static=static)
 
 
 def _teacher_forced(model, prompt, completion, temperature):
@@ -375,5 +376,42 @@ def test_non_finite_logits_are_named_not_a_sampler_error():
     engine = HFEngine(stop_token_ids=[tok.eos_token_id], pad_token_id=tok.pad_token_id, max_batch_size=8)
     with torch.no_grad():
         next(p for n, p in model.named_parameters() if "lora_B" in n).fill_(float("nan"))
-    with pytest.raises(RuntimeError, match="non-finite logits at generated token 0 .*hold NaN / inf"):
+    with pytest.raises(RuntimeError, match="non-finite logits within the first 4 generated tokens: .*hold NaN / inf"):
         _generate(engine, model, SamplingSettings(temperature=1.0, max_new_tokens=4), 0, static=False)
+
+
+def test_inverse_cdf_sampling_draws_the_distribution_and_never_a_zero_probability_token():
+    probs = torch.tensor([[0.0, 0.5, 0.0, 0.25, 0.25, 0.0]])  # unnormalised rows work too (x 3 below)
+    u = torch.rand(200_000, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    drawn = sample_inverse_cdf(3 * probs.expand(len(u), -1), u)  # (200000,)
+    freq = torch.bincount(drawn, minlength=6).double() / len(u)
+    assert freq[[0, 2, 5]].sum() == 0  # zero-probability tokens: never
+    assert torch.allclose(freq, probs[0].double(), atol=4e-3)  # ~4 standard errors at n = 2e5
+    edges = torch.tensor([0.0, 0.5 - 1e-12, 0.5, 0.75 - 1e-12, 0.75, 1 - 1e-12], dtype=torch.float64)
+    assert sample_inverse_cdf(probs.expand(6, -1), edges).tolist() == [1, 1, 3, 3, 4, 4]
+
+
+def test_a_prompts_samples_do_not_depend_on_its_batch_or_chunking():
+    """Per-prompt seeds (evaluation): the same completions whoever else shares the call or the chunk;
+    an int seed still gives every row its own draws (different samples of one prompt)."""
+    model, tok = _policy()
+    sampling = SamplingSettings(temperature=1.0, max_new_tokens=8)
+    seeds = [101, 202, 303, 404]
+
+    def run(prompts, prompt_seeds_, batch):
+        engine = HFEngine(stop_token_ids=[tok.eos_token_id], pad_token_id=tok.pad_token_id, max_batch_size=batch)
+        engine.sync(model)
+        return engine.generate(prompts, 3, sampling, seed=prompt_seeds_).completion_ids
+
+    whole = run(PROMPTS, seeds, 16)
+    assert run(PROMPTS, seeds, 2) == whole  # chunked differently
+    assert run(PROMPTS[2:], seeds[2:], 16) == whole[6:]  # without the other prompts
+    assert run([PROMPTS[1], PROMPTS[0]], [seeds[1], seeds[0]], 16) == whole[3:6] + whole[:3]  # reordered
+    assert len({tuple(c) for c in whole[:3]}) > 1  # the samples of one prompt differ
+    engine = HFEngine(stop_token_ids=[tok.eos_token_id], pad_token_id=tok.pad_token_id, max_batch_size=16)
+    engine.sync(model)
+    assert engine.generate(PROMPTS, 3, sampling, seed=7).completion_ids == run(PROMPTS, prompt_seeds(7, 4), 16)
+    with pytest.raises(ValueError, match="3 prompt seeds for 4 prompts"):
+        engine.generate(PROMPTS, 1, sampling, seed=seeds[:3])
+    assert torch.equal(sample_uniforms(5, 1, 4), sample_uniforms(5, 1, 4))
+    assert not torch.equal(sample_uniforms(5, 1, 4), sample_uniforms(5, 2, 4))

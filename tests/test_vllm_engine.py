@@ -20,9 +20,10 @@ from lightning_modules.evaluation import EvalSettings
 from qerl.aqn import attach_noisy_norms
 from qerl.model import LoraSettings, load_policy
 from qerl.rollout import SamplingSettings
+from qerl.rollout.base import derive_seed
 from qerl.rollout.vllm import (
     VLLMEngine, VLLMSettings, adapter_config, adapter_tensors, allowed_lora_rank, hf_to_vllm_norm_name,
-    outputs_to_generation, request_seed, sampling_params_kwargs,
+    outputs_to_generation, sampling_params_kwargs,
 )
 from qerl.rollout.vllm_worker import unexpected_lora_modules
 from qerl.tiny import build_tiny_model
@@ -112,13 +113,13 @@ def test_outputs_to_generation_prompt_major():
 
 
 def test_sampling_params_kwargs():
-    kw = sampling_params_kwargs(SamplingSettings(temperature=0.7, top_p=0.9, top_k=20, max_new_tokens=64), 8, 123)
-    assert kw == dict(n=8, temperature=0.7, top_p=0.9, top_k=20, seed=123, max_tokens=64, logprobs=0, detokenize=False)
-    greedy = sampling_params_kwargs(SamplingSettings(temperature=0.0, top_p=0.5, top_k=3, max_new_tokens=9), 4, 123)
-    assert greedy == dict(n=1, temperature=0.0, top_p=1.0, top_k=0, seed=None, max_tokens=9, logprobs=0, detokenize=False)
-    assert sampling_params_kwargs(SamplingSettings(top_k=0), 2, 0)["top_k"] == 0
-    seeds = {request_seed(s, i) for s in range(20) for i in range(50)}
-    assert len(seeds) == 1000 and max(seeds) < 2**62 and request_seed(3, 4) == request_seed(3, 4)
+    kw = sampling_params_kwargs(SamplingSettings(temperature=0.7, top_p=0.9, top_k=20, max_new_tokens=64), 8)
+    assert kw == dict(n=8, temperature=0.7, top_p=0.9, top_k=20, max_tokens=64, logprobs=0, detokenize=False)
+    greedy = sampling_params_kwargs(SamplingSettings(temperature=0.0, top_p=0.5, top_k=3, max_new_tokens=9), 4)
+    assert greedy == dict(n=1, temperature=0.0, top_p=1.0, top_k=0, max_tokens=9, logprobs=0, detokenize=False)
+    assert sampling_params_kwargs(SamplingSettings(top_k=0), 2)["top_k"] == 0
+    seeds = {derive_seed(s, i) for s in range(20) for i in range(50)}
+    assert len(seeds) == 1000 and max(seeds) < 2**62 and derive_seed(3, 4) == derive_seed(3, 4)
 
 
 # ----------------------------------------------------------------------------- fake vllm
@@ -275,6 +276,13 @@ def test_engine_greedy_repeats_prompts_and_trainable_norms(fake_vllm, tmp_path):
     assert [p["prompt_token_ids"] for p in prompts] == [[7]] * 3 + [[8]] * 3
     assert all(sp.n == 1 and sp.temperature == 0.0 and sp.seed is None for sp in params)
     assert gen.completion_ids == [[7, 2]] * 3 + [[8, 2]] * 3
+    # sampled with a seed per prompt (evaluation): each request carries its prompt's own seed
+    engine.generate([[7], [8]], 3, SamplingSettings(temperature=1.0, max_new_tokens=4), seed=[11, 22])
+    _, params, _ = llm.generated[-1]
+    assert [(sp.n, sp.seed) for sp in params] == [(3, 11), (3, 22)]
+    engine.generate([[7], [8]], 3, SamplingSettings(temperature=1.0, max_new_tokens=4), seed=4)
+    _, params, _ = llm.generated[-1]
+    assert [sp.seed for sp in params] == [derive_seed(4, 0), derive_seed(4, 1)]  # as before per-prompt seeds
 
 
 def test_trained_norms_rounded_in_vllm_say_so_without_blaming_aqn(fake_vllm, tmp_path, caplog):

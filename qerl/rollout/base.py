@@ -7,7 +7,9 @@ never move it between devices or put it into a checkpoint. The ``RolloutCallback
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -74,8 +76,11 @@ class RolloutEngine:
         raise NotImplementedError
 
     def generate(
-        self, prompt_ids: list[list[int]], n: int, sampling: SamplingSettings, seed: int
+        self, prompt_ids: list[list[int]], n: int, sampling: SamplingSettings, seed: int | Sequence[int]
     ) -> Generation:
+        """``n`` samples of each prompt. ``seed``: an int seeds the call (prompt i draws from
+        ``derive_seed(seed, i)``); a list gives every prompt its own seed, so its samples do not depend
+        on which other prompts share the call (evaluation: the same samples at any batch or world size)."""
         raise NotImplementedError
 
     def sleep(self) -> None:  # optional
@@ -88,6 +93,40 @@ class RolloutEngine:
 
     def wake(self) -> None:  # optional
         pass
+
+
+def derive_seed(*parts: int | str) -> int:
+    """A seed in [0, 2**62) from any parts, by a stable hash: (seed, prompt index), (seed, dataset,
+    problem) ... give independent streams. Below 2**62 so that vLLM can add the sample index."""
+    digest = hashlib.blake2b(":".join(str(p) for p in parts).encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 2
+
+
+def prompt_seeds(seed: int | Sequence[int], prompts: int) -> list[int]:
+    """One seed per prompt of a ``generate`` call (see ``RolloutEngine.generate``)."""
+    if isinstance(seed, Sequence):
+        if len(seed) != prompts:
+            raise ValueError(f"{len(seed)} prompt seeds for {prompts} prompts")
+        return [int(s) for s in seed]
+    return [derive_seed(int(seed), i) for i in range(prompts)]
+
+
+def sample_uniforms(prompt_seed: int, sample: int, steps: int) -> torch.Tensor:
+    """``(steps,)`` float64 uniforms in [0, 1) that draw the tokens of sample ``sample`` of a prompt
+    seeded ``prompt_seed``: one per generated token, from torch's CPU generator seeded by the pair, so a
+    completion's draws are its own whatever else is decoded beside it."""
+    gen = torch.Generator().manual_seed(derive_seed(prompt_seed, sample))
+    return torch.rand(steps, generator=gen, dtype=torch.float64)
+
+
+def sample_inverse_cdf(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    """Token ids ``(B,)`` drawn from ``probs`` ``(B, V)`` (rows need not be normalised) by inverse
+    transform sampling with one uniform in [0, 1) per row: the first token whose cumulative mass exceeds
+    ``u * total``. A zero-probability token is never chosen (its cumulative mass equals its
+    predecessor's); the cumulative sum is in float64, so rounding moves no token's mass noticeably."""
+    cdf = probs.double().cumsum(-1)  # (B, V)
+    target = uniforms.to(cdf)[:, None] * cdf[:, -1:]  # (B, 1), in [0, total)
+    return torch.searchsorted(cdf, target, right=True).squeeze(-1).clamp(max=probs.shape[-1] - 1)
 
 
 def stop_token_ids(tokenizer, model: torch.nn.Module | None = None) -> list[int]:

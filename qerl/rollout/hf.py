@@ -2,8 +2,10 @@
 
 A plain sampling loop over the HF forward with a KV cache, written out rather than calling
 ``generate()`` so that (1) the sampler log-probs are exactly log softmax(logits / T) of the same
-forward the trainer uses (renormalised over the kept set with top-k/top-p, as vLLM's), (2) sampling is seeded by a ``torch.Generator`` (reproducible, and
-independent of the global RNG), and (3) position ids of left-padded prompts match the trainer's.
+forward the trainer uses (renormalised over the kept set with top-k/top-p, as vLLM's), (2) every
+completion draws its tokens from its own seeded uniforms (``sample_uniforms``: reproducible, independent
+of the global RNG and of the other rows decoded beside it), and (3) position ids of left-padded prompts
+match the trainer's.
 Whatever the model carries (LoRA, AQN noisy norms, NVFP4 kernels) is what generates.
 
 Two decoders share the loop. ``_DynamicDecoder``: HF's growing KV cache, one eager forward per token
@@ -21,13 +23,15 @@ import contextlib
 import inspect
 import logging
 import time
+from collections.abc import Sequence
 from typing import Literal
 
 import torch
 import torch.nn.functional as F
 
 from qerl.model import base_model_only
-from qerl.rollout.base import Generation, RolloutEngine, SamplingSettings, pad_left, stop_token_ids
+from qerl.rollout.base import (Generation, RolloutEngine, SamplingSettings, pad_left, prompt_seeds, sample_inverse_cdf,
+                               sample_uniforms, stop_token_ids)
 from qerl.rollout.fast_linears import fused_projections, lean_lora_forward
 
 ADAPTER_DTYPES = ("model", "stored")
@@ -320,15 +324,16 @@ class HFEngine(RolloutEngine):
         self.model, self.adapter = model, adapter
 
     @torch.no_grad()
-    def generate(self, prompt_ids: list[list[int]], n: int, sampling: SamplingSettings, seed: int) -> Generation:
+    def generate(self, prompt_ids: list[list[int]], n: int, sampling: SamplingSettings,
+                 seed: int | Sequence[int]) -> Generation:
         if self.model is None:
             raise RuntimeError("HFEngine.generate called before sync(model)")
         start = time.perf_counter()
         repeated = [p for p in prompt_ids for _ in range(n)]  # prompt-major: (B*n,)
-        device = next(self.model.parameters()).device
-        # Sample on the model's device (copying (B, V) probabilities to the host every token would
-        # dominate decode time); CPU and CUDA runs are each reproducible, not equal to each other.
-        gen = torch.Generator(device=device).manual_seed(seed)
+        seeds = prompt_seeds(seed, len(prompt_ids))
+        # row r = sample r % n of prompt r // n; its uniforms are drawn per chunk (chunking and batch
+        # composition change no row's draws; CPU and CUDA logits differ, so their samples may too)
+        row_keys = [(seeds[r // n], r % n) for r in range(len(repeated))]
         out = Generation([], [], [])
         was_training = self.model.training
         self.model.eval()
@@ -336,7 +341,7 @@ class HFEngine(RolloutEngine):
         lora_dtype = self.model.get_input_embeddings().weight.dtype if self.adapter_dtype == "model" else None
         cast = (lean_lora_forward(self.model, lora_dtype)
                 if self.adapter and lora_dtype is not None else contextlib.nullcontext())
-        on_cuda = device.type == "cuda"
+        on_cuda = next(self.model.parameters()).device.type == "cuda"
         grouped = fused_projections(self.model, lora_dtype) if self.fused_projections and on_cuda else contextlib.nullcontext()
         fused = _fused_ops(self.model) if self.fused_ops and on_cuda else contextlib.nullcontext()
         try:
@@ -344,7 +349,8 @@ class HFEngine(RolloutEngine):
             # forward (which leaves their members alone)
             with adapter_off, grouped, cast, fused:
                 for lo in range(0, len(repeated), self.max_batch_size):
-                    chunk = self._generate_chunk(repeated[lo: lo + self.max_batch_size], sampling, gen)
+                    chunk = self._generate_chunk(repeated[lo: lo + self.max_batch_size], sampling,
+                                                 row_keys[lo: lo + self.max_batch_size])
                     out.completion_ids += chunk.completion_ids
                     out.sampler_logprobs += chunk.sampler_logprobs
                     out.finish_reasons += chunk.finish_reasons
@@ -361,9 +367,12 @@ class HFEngine(RolloutEngine):
             return _DynamicDecoder(self.model, ids, mask, positions)
         return _StaticDecoder(self.model, ids, mask, positions, sampling.max_new_tokens, graph=mode == "graph")
 
-    def _generate_chunk(self, prompts: list[list[int]], sampling: SamplingSettings, gen: torch.Generator,
-                        static: bool | None = None) -> Generation:
-        device = gen.device  # the model's (see generate)
+    def _generate_chunk(self, prompts: list[list[int]], sampling: SamplingSettings,
+                        row_keys: list[tuple[int, int]], static: bool | None = None) -> Generation:
+        device = next(self.model.parameters()).device  # sampling runs there: no (B, V) copy per token
+        greedy = sampling.temperature <= 0
+        uniforms = None if greedy else torch.stack(  # (B, max_new_tokens)
+            [sample_uniforms(key, sample, sampling.max_new_tokens) for key, sample in row_keys]).to(device)
         ids, mask = pad_left(prompts, self.pad_token_id)
         ids, mask = ids.to(device), mask.to(device)
         positions = (mask.cumsum(-1) - 1).clamp(min=0)  # (B, P) — same rule as the trainer
@@ -373,34 +382,34 @@ class HFEngine(RolloutEngine):
         logprobs = torch.empty(rows, 0, dtype=torch.float32, device=device)
         finished = torch.zeros(rows, dtype=torch.bool, device=device)
         lengths = torch.full((rows,), sampling.max_new_tokens, dtype=torch.long, device=device)
+        non_finite = torch.zeros((), dtype=torch.bool, device=device)  # read with the stop check (no extra sync)
         with packed_gqa_decode_attention():
             decoder = self._decoder(ids, mask, positions, sampling, static)
             logits_bf = decoder.logits
             for t in range(sampling.max_new_tokens):
                 logits = logits_bf.float()  # (B, V)
-                greedy = sampling.temperature <= 0
-                scaled = logits if greedy else logits / sampling.temperature
+                non_finite |= ~torch.isfinite(logits).all()
                 if greedy:
-                    logp = F.log_softmax(scaled, dim=-1)
-                    nxt = scaled.argmax(-1)
+                    logp = F.log_softmax(logits, dim=-1)
+                    nxt = logits.argmax(-1)
                 else:  # log-probs of the distribution sampled from: after top-k/top-p, renormalised (as vLLM's)
-                    kept = filter_logits(scaled, sampling.top_k, sampling.top_p)
+                    kept = filter_logits(logits / sampling.temperature, sampling.top_k, sampling.top_p)
                     logp = F.log_softmax(kept, dim=-1)
-                    try:
-                        nxt = torch.multinomial(kept.softmax(-1), 1, generator=gen).squeeze(-1)
-                    except RuntimeError as err:  # (NaN / inf probabilities: say where they come from)
-                        if bool(torch.isfinite(logits).all()):
-                            raise
-                        raise RuntimeError(f"non-finite logits at generated token {t} ({err}): the model's "
-                                           "weights or the AQN noise hold NaN / inf") from err
+                    nxt = sample_inverse_cdf(logp.exp(), uniforms[:, t])
                 nxt = torch.where(finished, torch.full_like(nxt, self.pad_token_id), nxt)
                 tokens = torch.cat([tokens, nxt[:, None]], 1)
                 logprobs = torch.cat([logprobs, logp.gather(-1, nxt[:, None])], 1)
                 just_stopped = ~finished & torch.isin(nxt, stop)
                 lengths = torch.where(just_stopped, torch.full_like(lengths, t + 1), lengths)
                 finished |= just_stopped
-                if t + 1 == sampling.max_new_tokens or ((t + 1) % STOP_CHECK_EVERY == 0 and bool(finished.all())):
-                    break
+                last = t + 1 == sampling.max_new_tokens
+                if last or (t + 1) % STOP_CHECK_EVERY == 0:
+                    done = torch.stack([finished.all(), non_finite]).tolist()  # one sync
+                    if done[1]:
+                        raise RuntimeError(f"non-finite logits within the first {t + 1} generated tokens: the "
+                                           "model's weights or the AQN noise hold NaN / inf")
+                    if last or done[0]:
+                        break
                 logits_bf = decoder.step(nxt)
         result = Generation([], [], [])
         for i in range(rows):

@@ -38,15 +38,14 @@ Manual (``engine: vllm`` in ``RolloutCallback``, settings under ``vllm:`` = :cla
   nearest (spacing 2^-7 near 1: noise of sigma below ~4e-3 is largely erased in rollouts while the
   trainer applies it) and a warning says so; ``norm_cast_error`` holds the largest rounding of the
   last sync, and the truncated-IS ratio absorbs the difference.
-* **Seeds.** Request i gets its own seed derived from (seed, i) (vLLM adds the sample index), so a
-  step is reproducible; per-request generators cost a small per-row loop in vLLM's sampler
+* **Seeds.** Request i gets its own seed, derived from (seed, i) or given per prompt (vLLM adds the
+  sample index), so a step is reproducible and a prompt's samples do not depend on its batch; per-request generators cost a small per-row loop in vLLM's sampler
   (``seed_requests: false`` turns them off).
 """
 
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import json
 import logging
 import os
@@ -54,6 +53,7 @@ import shutil
 import tempfile
 import time
 import weakref
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -61,7 +61,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from qerl.rollout.base import Generation, RolloutEngine, SamplingSettings
+from qerl.rollout.base import Generation, RolloutEngine, SamplingSettings, prompt_seeds
 from qerl.seeding import global_rng_state, set_global_rng_state
 from qerl.rollout.vllm_worker import copy_norm_scales, install_tensor_lora_loader, max_model_len
 
@@ -165,21 +165,15 @@ def adapter_config(peft_model: nn.Module) -> dict[str, Any]:
             "target_modules": sorted(targets) if isinstance(targets, (set, list, tuple)) else targets}
 
 
-def request_seed(seed: int, index: int) -> int:
-    """Seed of request ``index`` of a call seeded ``seed`` (vLLM then uses seed + sample index)."""
-    digest = hashlib.blake2b(f"{int(seed)}:{int(index)}".encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "little") >> 2  # < 2**62: room for the sample index
-
-
-def sampling_params_kwargs(sampling: SamplingSettings, n: int, seed: int) -> dict[str, Any]:
-    """``SamplingParams`` keyword arguments. Greedy (temperature <= 0) returns ``n=1`` (vLLM refuses
-    n > 1 when greedy; the caller repeats the prompt) and no seed. ``logprobs=0``: only the
-    sampled token's log-prob comes back."""
+def sampling_params_kwargs(sampling: SamplingSettings, n: int) -> dict[str, Any]:
+    """``SamplingParams`` keyword arguments but the per-request seed. Greedy (temperature <= 0)
+    returns ``n=1`` (vLLM refuses n > 1 when greedy; the caller repeats the prompt). ``logprobs=0``:
+    only the sampled token's log-prob comes back."""
     common = dict(max_tokens=int(sampling.max_new_tokens), logprobs=0, detokenize=False)
     if sampling.temperature <= 0:
-        return dict(n=1, temperature=0.0, top_p=1.0, top_k=0, seed=None, **common)
+        return dict(n=1, temperature=0.0, top_p=1.0, top_k=0, **common)
     return dict(n=int(n), temperature=float(sampling.temperature), top_p=float(sampling.top_p),
-                top_k=max(int(sampling.top_k), 0), seed=int(seed), **common)
+                top_k=max(int(sampling.top_k), 0), **common)
 
 
 def outputs_to_generation(request_outputs) -> Generation:
@@ -397,7 +391,8 @@ class VLLMEngine(RolloutEngine):
             log.warning("vLLM could not reset its prefix cache (requests still running?)")
         self.last_sync = {"start": t1 - t0, "adapter": t2 - t1, "norms": time.perf_counter() - t2}
 
-    def generate(self, prompt_ids: list[list[int]], n: int, sampling: SamplingSettings, seed: int) -> Generation:
+    def generate(self, prompt_ids: list[list[int]], n: int, sampling: SamplingSettings,
+                 seed: int | Sequence[int]) -> Generation:
         if self.llm is None or not self._synced:
             raise RuntimeError("VLLMEngine.generate called before sync(model)")
         from vllm import SamplingParams
@@ -411,13 +406,13 @@ class VLLMEngine(RolloutEngine):
                              "data.max_prompt_length / sampling.max_new_tokens")
         start = time.perf_counter()
         self.wake(["weights", "kv_cache"])
-        kw = sampling_params_kwargs(sampling, n, seed)
+        kw = sampling_params_kwargs(sampling, n)
         reps = n // kw["n"]
         prompts = [{"prompt_token_ids": [int(t) for t in p]} for p in prompt_ids for _ in range(reps)]
-        params = []
-        for i in range(len(prompts)):
-            req_seed = request_seed(seed, i) if kw["seed"] is not None and self.settings.seed_requests else None
-            params.append(SamplingParams(**{**kw, "seed": req_seed}, stop_token_ids=list(self.stop_token_ids)))
+        seeded = sampling.temperature > 0 and self.settings.seed_requests
+        seeds = prompt_seeds(seed, len(prompt_ids))  # (vLLM draws sample j of request i from seeds[i] + j)
+        params = [SamplingParams(**kw, seed=seeds[i // reps] if seeded else None, stop_token_ids=list(self.stop_token_ids))
+                  for i in range(len(prompts))]
         t0 = time.perf_counter()
         outputs = self.llm.generate(prompts, params, lora_request=self._lora_request, use_tqdm=False)
         gen = outputs_to_generation(outputs)
