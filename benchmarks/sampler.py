@@ -4,7 +4,7 @@
 
 The embedded engine draws each completion's tokens from its own pre-drawn uniforms
 (``qerl.rollout.base.sample_inverse_cdf``: a float64 cumulative sum and a binary search per row, plus
-the non-finite check the engine folds into its stop check) so that a prompt's samples do not depend
+the non-finite check on the drawn tokens' log-probs that the engine folds into its stop check) so that a prompt's samples do not depend
 on the rows decoded beside it. This times that per-token work against the ``torch.multinomial`` draw
 it replaced, side by side on the same logits (fp32, Qwen2.5's vocabulary, temperature 1, top-p 1),
 CUDA-event median over ``--iters`` tokens. Writes benchmarks/results/sampler_<device>.json.
@@ -64,9 +64,10 @@ def main() -> None:
             return torch.multinomial(logp.exp(), 1, generator=gen).squeeze(-1), logp
 
         def inverse_cdf():
-            flag.logical_or_(~torch.isfinite(logits).all())
             logp = F.log_softmax(logits, dim=-1)
-            return sample_inverse_cdf(logp.exp(), uniforms), logp
+            nxt = sample_inverse_cdf(logp.exp(), uniforms)
+            flag.logical_or_(~torch.isfinite(logp.gather(-1, nxt[:, None])).all())
+            return nxt, logp
 
         row = {"B": batch, "V": args.vocab, "multinomial_ms": timed(multinomial, args.iters),
                "inverse_cdf_ms": timed(inverse_cdf, args.iters)}

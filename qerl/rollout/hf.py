@@ -388,7 +388,6 @@ class HFEngine(RolloutEngine):
             logits_bf = decoder.logits
             for t in range(sampling.max_new_tokens):
                 logits = logits_bf.float()  # (B, V)
-                non_finite |= ~torch.isfinite(logits).all()
                 if greedy:
                     logp = F.log_softmax(logits, dim=-1)
                     nxt = logits.argmax(-1)
@@ -398,7 +397,9 @@ class HFEngine(RolloutEngine):
                     nxt = sample_inverse_cdf(logp.exp(), uniforms[:, t])
                 nxt = torch.where(finished, torch.full_like(nxt, self.pad_token_id), nxt)
                 tokens = torch.cat([tokens, nxt[:, None]], 1)
-                logprobs = torch.cat([logprobs, logp.gather(-1, nxt[:, None])], 1)
+                picked = logp.gather(-1, nxt[:, None])  # (B, 1); NaN when a row's logits hold NaN / +inf
+                non_finite |= ~torch.isfinite(picked).all()
+                logprobs = torch.cat([logprobs, picked], 1)
                 just_stopped = ~finished & torch.isin(nxt, stop)
                 lengths = torch.where(just_stopped, torch.full_like(lengths, t + 1), lengths)
                 finished |= just_stopped
