@@ -28,10 +28,19 @@ def condensed(message: str) -> str:
     one's reason and the whole given value (the callback list with object addresses), nested once
     per level (a callback's controller). One line: the keys and the first reason at each level."""
     folded = " ".join(message.split())  # (one line also for the plain `Parser key "x": Expected ...`)
+    configs = _config_paths(sys.argv[1:])
+    if len(configs) == 1:  # a YAML syntax error names the string jsonargparse parsed, not the file
+        folded = folded.replace('"<unicode string>"', configs[0])
     if "Does not validate against any of the Union subtypes" not in folded:
         return folded
     folded = _UNION_LIST.sub("", folded)  # every level's subtype list goes
     return _OTHER_REASONS.split(folded, maxsplit=1)[0].strip()  # the first reason, not the alternatives
+
+
+def _config_paths(argv: list[str]) -> list[str]:
+    """The files given with ``--config X`` / ``--config=X`` on a command line."""
+    paths = [arg.split("=", 1)[1] for arg in argv if arg.startswith("--config=")]
+    return paths + [argv[i + 1] for i, arg in enumerate(argv[:-1]) if arg == "--config"]
 
 
 class QeRLParser(LightningArgumentParser):

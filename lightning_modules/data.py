@@ -146,7 +146,10 @@ class PromptDataModule(L.LightningDataModule):
                 raise ValueError(f"data.{key} must be >= {least}{either}, an integer; got {value!r}")
         if layout not in typing.get_args(Layout):  # (the CLI checks it; a module built in code did not)
             raise ValueError(f"data.layout must be one of {', '.join(typing.get_args(Layout))}, got {layout!r}")
-        self.save_hyperparameters()
+        # `seed` is also QeRLModule's argument (the tiny model's init): Lightning refuses to log two
+        # different values under one name, so this one is kept as `data_seed`
+        self.save_hyperparameters(ignore=["seed"])
+        self.save_hyperparameters({**self.hparams, "data_seed": seed})
         self.train_source = train_source
         self.val_sources = dict(val_sources or {})
         self.test_sources = dict(test_sources or {})

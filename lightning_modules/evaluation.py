@@ -26,6 +26,7 @@ from qerl.model import base_model_only
 from qerl.rewards import MathAccuracy, extract_answer
 from qerl.rollout import SamplingSettings
 from qerl.rollout.base import derive_seed
+from qerl.settings_checks import require_numbers
 
 
 def claim_unused_path(stem: str, suffix: str = "", directory: bool = False) -> str:
@@ -60,8 +61,9 @@ class EvalSettings:
         use_adapter: False evaluates the base model alone (the "before" row of a table).
         max_batch_size: sequences decoded together by the embedded engine.
         seed: seed of the sampled completions. Problem i of a dataset draws its samples from
-            (seed, dataset, i), so they are the same at any batch size or number of GPUs, in every
-            evaluation of a run and in every run (paired samples when comparing checkpoints or arms).
+            (seed, dataset, i), at any batch size or number of GPUs, in every evaluation of a run and
+            in every run (paired samples when comparing checkpoints or arms; identical where the
+            logits are, i.e. up to bf16 rounding that differs between batch shapes).
         engine: rollout (the RolloutCallback's engine: vLLM when training rolls out in vLLM, the
             embedded engine otherwise or without a RolloutCallback) or hf (always the embedded engine).
     """
@@ -77,6 +79,7 @@ class EvalSettings:
     engine: Literal["rollout", "hf"] = "rollout"
 
     def __post_init__(self) -> None:  # fails at start, not at the first validation
+        require_numbers(self, "model.eval")
         if self.samples < 0 or self.max_new_tokens < 1 or self.max_batch_size < 1:
             raise ValueError("model.eval.samples must be >= 0, max_new_tokens and max_batch_size >= 1")
         # (written so that NaN fails: `nan < 0` is false, and a NaN temperature only failed at the

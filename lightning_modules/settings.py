@@ -8,6 +8,8 @@ import typing
 from dataclasses import dataclass
 from typing import Literal
 
+from qerl.settings_checks import require_numbers
+
 
 @dataclass
 class LossSettings:
@@ -66,6 +68,7 @@ class LossSettings:
     top_entropy_quantile: float = 1.0
 
     def __post_init__(self) -> None:  # a bad YAML value fails at start, naming its key
+        require_numbers(self, "model.loss")
         for key, allowed in _CHOICES.items():  # (the CLI checks these too; settings built in code do not)
             if getattr(self, key) not in allowed:
                 raise ValueError(f"model.loss.{key} must be one of {', '.join(allowed)}, got {getattr(self, key)!r}")
@@ -112,6 +115,7 @@ class OptimizerSettings:
     max_grad_norm: float = 0.2
 
     def __post_init__(self) -> None:  # a bad YAML value fails at start, not after the model loads
+        require_numbers(self, "model.optimizer")
         # NaN fails every comparison below; an infinite (or overflowing, 1e40) lr is an AdamW overflow
         # at the first step and a NaN weight decay writes NaN weights into checkpoints
         if not (self.lr > 0 and self.lr < _MAX_LR):

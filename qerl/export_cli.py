@@ -135,6 +135,7 @@ def _replace_export(out: Path, write) -> Path:
         out.mkdir(exist_ok=True)
         for path in Path(tmp).iterdir():
             shutil.move(str(path), str(out / path.name))
+    log.info("moved the export into %s", out)  # (the lines above name the folder it was written in)
     return out
 
 

@@ -37,7 +37,8 @@ class PassAtK(Metric):
     Args:
         k: samples per problem, n (0 = greedy only).
         pass_k: the k of the reported pass@k, each 2 <= k <= n (default: n alone). Sampled pass@1
-            is mean@n, so it is never reported under ``pass@1``, which stays the greedy number.
+            is mean@n, so it is never reported under ``pass@1``, which stays the greedy number (a 1
+            in the list asks for that, always reported).
     """
 
     full_state_update = False
@@ -45,7 +46,8 @@ class PassAtK(Metric):
     def __init__(self, k: int = 0, pass_k: Sequence[int] | None = None, **kwargs):
         super().__init__(**kwargs)  # torchmetrics' options (sync_on_compute, ...)
         self.k = k
-        wanted = sorted({int(x) for x in (pass_k if pass_k is not None else [k])} - {0, 1})
+        asked = {int(x) for x in (pass_k if pass_k is not None else [k])}
+        wanted = sorted(asked - {1} if pass_k is not None else asked - {0, 1})  # (1: the greedy pass@1, always there)
         bad = [x for x in wanted if not 2 <= x <= k]  # with k = 0 every asked k (no samples to estimate from)
         if bad:
             raise ValueError(f"pass@k needs 2 <= k <= samples ({k}); got k = {bad}")

@@ -17,6 +17,7 @@ import contextlib
 import difflib
 import json
 import logging
+import math
 import os
 import re
 import struct
@@ -26,7 +27,8 @@ from typing import Literal
 
 import torch
 import torch.nn as nn
-from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+from transformers import (AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase,
+                          PreTrainedTokenizerFast)
 
 from qerl.hub_offline import go_offline_if_hub_unreachable
 from qerl.lora_forward import compute_in_activation_dtype
@@ -34,6 +36,7 @@ from qerl.quantize import (
     DECODER_LINEARS, base_weight_bytes, check_decoder_linears, count_parameters, quantize_decoder_linears,
     quantize_decoder_linears_nf4,
 )
+from qerl.settings_checks import require_numbers
 from qerl.tiny import TINY_MODEL_NAMES, build_tiny_model, build_tiny_tokenizer
 
 log = logging.getLogger(__name__)
@@ -129,13 +132,31 @@ def _local_quantization_config(source: str) -> dict | None:
     return config.get("quantization_config") if isinstance(config, dict) else None
 
 
+# The generic classes of a tokenizer that is its tokenizer.json and nothing else (ours for the tiny
+# models, Llama 3's): transformers 5 replaces them by the config's model-type class (a Qwen2 config
+# gets Qwen2Tokenizer, rebuilt with other pre-tokenization: an exported tiny model lost its spaces)
+_GENERIC_TOKENIZER_CLASSES = ("TokenizersBackend", "PreTrainedTokenizerFast")
+
+
+def _file_exact_tokenizer_class(source: str):
+    """``PreTrainedTokenizerFast`` for a local folder whose tokenizer_config.json names a generic class
+    and which has a tokenizer.json; else ``AutoTokenizer``."""
+    try:
+        with open(os.path.join(source, "tokenizer_config.json")) as f:
+            named = json.load(f).get("tokenizer_class")
+    except (OSError, ValueError, AttributeError):
+        return AutoTokenizer
+    exact = named in _GENERIC_TOKENIZER_CLASSES and os.path.isfile(os.path.join(source, "tokenizer.json"))
+    return PreTrainedTokenizerFast if exact else AutoTokenizer
+
+
 def load_tokenizer(name_or_path: str) -> PreTrainedTokenizerBase:
     """The model's tokenizer alone (cheap: the DataModule needs it before the model is built)."""
     if name_or_path in TINY_MODEL_NAMES:
         return build_tiny_tokenizer()
     source, extra = _model_source(name_or_path)
     try:
-        tokenizer = AutoTokenizer.from_pretrained(source, **extra)
+        tokenizer = _file_exact_tokenizer_class(source).from_pretrained(source, **extra)
     except _LOAD_ERRORS as err:
         raise _load_error(name_or_path, err) from err
     if len(tokenizer) <= 1:  # transformers 5 makes an empty tokenizer of a folder without tokenizer files
@@ -203,6 +224,11 @@ class LoraSettings:
     compute_dtype: Literal["model", "stored"] = "model"
 
     def __post_init__(self):
+        require_numbers(self, "model.lora")
+        if not self.rank >= 1:
+            raise ValueError(f"model.lora.rank must be >= 1, got {self.rank}")
+        if not (self.alpha > 0 and math.isfinite(self.alpha)):  # alpha 0 scales every update to nothing
+            raise ValueError(f"model.lora.alpha must be > 0, got {self.alpha}")
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"lora.dropout must be in [0, 1), got {self.dropout}")
         if self.compute_dtype not in ("model", "stored"):

@@ -116,3 +116,14 @@ def test_sampler_benchmark_tiny(tmp_path):
     rows = json.loads(out.read_text())["rows"]
     assert [row["B"] for row in rows] == [1, 4]
     assert all(row["multinomial_ms"] > 0 and row["inverse_cdf_ms"] > 0 and math.isfinite(row["ratio"]) for row in rows)
+
+
+def test_eval_seeds_benchmark_tiny_fp32_draws_identical_samples(tmp_path):
+    """In fp32 the embedded engine's logits do not depend on the batch: every problem's samples match."""
+    out = tmp_path / "es.json"
+    r = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "eval_seeds.py"), "--engine", "hf",
+                        "--accelerator", "cpu", "--dtype", "fp32", "--max-new-tokens", "6", "--samples", "2",
+                        "--out", str(out)], capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert r.returncode == 0, r.stderr[-3000:]
+    (row,) = json.loads(out.read_text())["rows"]
+    assert row["batches"] == [8, 3] and row["problems"] == 8 and row["identical_problems"] == 8

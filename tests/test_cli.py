@@ -202,6 +202,16 @@ def _two_token_args(tmp_path, steps, extra=()):
     return args
 
 
+def test_the_data_and_model_seeds_can_differ_with_a_logger(tmp_path, monkeypatch):
+    """Both modules take a `seed`; Lightning refused to log the two under one name (a traceback at
+    the start of every run with a logger that set either)."""
+    monkeypatch.chdir(tmp_path)
+    cli = main(["fit", *fast_args(tmp_path, 1, ["--data.seed=5", "--model.seed=3"])])
+    assert cli.datamodule.seed == 5 and cli.model.seed == 3
+    hparams = yaml.safe_load(next(Path(tmp_path, "logs").rglob("hparams.yaml")).read_text())
+    assert hparams["seed"] == 3 and hparams["data_seed"] == 5
+
+
 def test_silent_failures_warn(tmp_path, monkeypatch):
     """A step without signal (every completion hits max_new_tokens, every group's rewards equal):
     with warn_after_steps=1 both silent-failure warnings fire."""
@@ -313,3 +323,36 @@ def test_a_diverged_run_is_one_line_naming_the_step(tmp_path, monkeypatch, capsy
     err = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
     assert len(err) == 1 and "TrainingDiverged: training diverged: the 10 updates since step 0 all had a " \
         "non-finite loss, from the weights this run started with (step 0): check the base model" in err[0], err
+
+
+@pytest.mark.parametrize("arg, message", [
+    ("--model.lora.rank=null", "model.lora.rank must be an integer, got null"),
+    ("--model.lora.alpha=0", "model.lora.alpha must be > 0, got 0"),
+    ("--model.optimizer.max_grad_norm=null", "model.optimizer.max_grad_norm must be a number, got null"),
+    ("--model.loss.kl_coef=null", "model.loss.kl_coef must be a number, got null"),
+    ("--model.eval.samples=null", "model.eval.samples must be an integer, got null"),
+])
+def test_a_null_or_empty_number_is_one_line_naming_its_key(tmp_path, monkeypatch, capsys, arg, message):
+    """`null` for a number reached a comparison (`'>' not supported between NoneType and int`, or a
+    TypeError inside peft) without naming the setting."""
+    import train
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr("sys.argv", ["train.py", "validate", *fast_args(tmp_path, 1, [arg])])
+    with pytest.raises(SystemExit) as code:
+        train.cli_entry()
+    assert code.value.code == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err, err[-2000:]
+
+
+def test_a_yaml_syntax_error_names_the_config_file(tmp_path, monkeypatch, capsys):
+    import train
+
+    bad = tmp_path / "broken.yaml"
+    bad.write_text("model:\n  lr: [1, 2\n")
+    monkeypatch.setattr("sys.argv", ["train.py", "fit", "--config", str(bad)])
+    with pytest.raises(SystemExit) as code:
+        train.cli_entry()
+    err = capsys.readouterr().err
+    assert code.value.code == 2 and f"in {bad}, line 2, column 7" in err and "<unicode string>" not in err, err

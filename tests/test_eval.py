@@ -70,6 +70,9 @@ def test_pass_at_1_stays_greedy_and_pass_k_from_more_samples():
     with pytest.raises(ValueError, match=r"samples \(0\); got k = \[4\]"):
         PassAtK(k=0, pass_k=[4])  # asked for pass@4 without samples: an error, not a missing row
     assert PassAtK(k=0, pass_k=[1]).pass_k == []  # pass@1 is the greedy one anyway
+    for bad in ([0], [-2], [0, 2]):  # dropped without a word before
+        with pytest.raises(ValueError, match=r"pass@k needs 2 <= k <= samples \(4\); got k = \[-?[02]"):
+            PassAtK(k=4, pass_k=bad)
 
 
 def test_merge_records_of_ranks_keeps_each_problem_once_in_order():

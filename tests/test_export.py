@@ -28,7 +28,7 @@ from qerl.export import (
 )
 from qerl.export_cli import main
 from qerl.lora_forward import compute_in_activation_dtype
-from qerl.model import LoraSettings, load_base_model, load_policy
+from qerl.model import LoraSettings, load_base_model, load_policy, load_tokenizer
 from qerl.nvfp4 import NVFP4WeightTensor, dequantize_nvfp4
 from qerl.quantize import DECODER_LINEARS, SHARED_SCALE_GROUPS, decoder_layers, quantize_decoder_linears
 
@@ -243,6 +243,13 @@ def test_bf16_export_reloads_with_dequantized_logits(tmp_path):
     ids = _ids(1)
     with torch.no_grad():
         assert torch.equal(reloaded(ids).logits, model(ids).logits)
+    # the folder's tokenizer is the trained one: transformers 5 would rebuild a Qwen2 config's
+    # generic tokenizer as Qwen2Tokenizer, which drops the tiny tokenizer's spaces
+    text = "What is 6 + 6?  a b"
+    for loaded in (load_tokenizer(str(tmp_path)), load_base_model(str(tmp_path))[1]):
+        assert loaded(text)["input_ids"] == tok(text)["input_ids"] and loaded.decode(tok(text)["input_ids"]) == text
+        assert loaded.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False) == \
+            tok.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False)
 
 
 def test_adapter_export_reloads_with_peft(tmp_path):

@@ -3,6 +3,7 @@ decoder (CUDA-graph replayed on GPU) generates exactly what the dynamic-cache on
 
 from __future__ import annotations
 
+import math
 import pytest
 import torch
 
@@ -415,3 +416,16 @@ def test_a_prompts_samples_do_not_depend_on_its_batch_or_chunking():
         engine.generate(PROMPTS, 1, sampling, seed=seeds[:3])
     assert torch.equal(sample_uniforms(5, 1, 4), sample_uniforms(5, 1, 4))
     assert not torch.equal(sample_uniforms(5, 1, 4), sample_uniforms(5, 2, 4))
+
+
+def test_rows_that_stop_early_under_top_p_are_not_taken_for_non_finite_logits():
+    """A stopped row decodes padding, whose log-prob is -inf when the pad token is outside the row's
+    top-p set: that is not a NaN in the model (it raised "non-finite logits" in evaluation, top-p 0.95)."""
+    model, tok = _policy()
+    stops = list(range(0, model.config.vocab_size, 3))  # a third of the vocabulary ends a completion
+    engine = HFEngine(stop_token_ids=stops, pad_token_id=tok.pad_token_id, max_batch_size=16)
+    engine.sync(model)
+    gen = engine.generate(PROMPTS, 4, SamplingSettings(temperature=1.0, top_p=0.5, max_new_tokens=12), seed=0)
+    lengths = [len(c) for c in gen.completion_ids]
+    assert min(lengths) < max(lengths) and "stop" in gen.finish_reasons  # rows stopped while others decoded
+    assert all(math.isfinite(lp) for row in gen.sampler_logprobs for lp in row)

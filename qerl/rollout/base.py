@@ -14,6 +14,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from qerl.settings_checks import require_numbers
+
 
 @dataclass
 class SamplingSettings:
@@ -32,6 +34,7 @@ class SamplingSettings:
     max_new_tokens: int = 256
 
     def __post_init__(self) -> None:  # a bad YAML value fails at start, naming its key
+        require_numbers(self, "sampling")
         # each check is written so that NaN fails it (`nan < 0` is false: a NaN temperature reached
         # torch.multinomial at the first rollout) and an infinite temperature is refused too
         if not (self.temperature >= 0 and math.isfinite(self.temperature)):
