@@ -99,6 +99,8 @@ class QeRLModule(ResumeMixin, EvaluationMixin, StepMetricsMixin, L.LightningModu
     ):
         super().__init__()
         self.save_hyperparameters()
+        for message in LIGHTNING_ADVICE_THAT_DOES_NOT_APPLY:  # (before fit / validate / test start)
+            warnings.filterwarnings("ignore", message=message)
         self.automatic_optimization = False
         self.strict_loading = False  # checkpoints hold only the trainable params
         self.model_name, self.quantization, self.dtype_name, self.seed = model, quantization, dtype, resolve_seed(seed)
@@ -170,8 +172,6 @@ class QeRLModule(ResumeMixin, EvaluationMixin, StepMetricsMixin, L.LightningModu
         for message in step_count_warnings(self.trainer.callbacks, self.loss_settings.updates_per_rollout,
                                            self.trainer.max_steps):
             rank_zero_warn(message)
-        for message in LIGHTNING_ADVICE_THAT_DOES_NOT_APPLY:
-            warnings.filterwarnings("ignore", message=message)
         return []
 
     def trainable_parameters(self) -> list[torch.nn.Parameter]:

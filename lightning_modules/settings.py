@@ -149,6 +149,9 @@ LIGHTNING_ADVICE_THAT_DOES_NOT_APPLY = (
     # the x-axis and the eval metrics are the same on every rank (the eval records are gathered first);
     # vLLM initialises torch.distributed even on one GPU, which is what triggers the advice there
     r"It is recommended to use `self.log\('(step|val/|test/)",
+    # validate / test on several ranks: the sampler's padded repeats are dropped when the records are
+    # gathered, so each problem counts once (lightning_modules/evaluation.py, merge_records)
+    r"Using `DistributedSampler` with the dataloaders. During `trainer.(validate|test)\(\)`",
 )
 
 

@@ -158,9 +158,12 @@ def detect_layout(row: Mapping[str, Any]) -> str | None:
     return None
 
 
-def _field(row: Mapping[str, Any], key: str) -> str:
+def _field(row: Mapping[str, Any], key: str, prompt: bool = False) -> str:
+    """The text of ``row[key]``; an answer may also be a number, a ``prompt`` must be text."""
     if key not in row:
         raise _BadRow(f"missing field {key!r} (row has {sorted(row)})")
+    if prompt and row[key] is not None and not isinstance(row[key], str):  # (`question: 5` is no question)
+        raise _BadRow(f"prompt field {key!r} is not text ({type(row[key]).__name__} {str(row[key])[:40]})")
     text = _as_text(row[key], key)
     if not text:
         raise _BadRow(f"empty field {key!r}")
@@ -172,14 +175,14 @@ def _row_to_pair(row: Any, layout: str, prompt_key: str | None, answer_key: str 
     if not isinstance(row, Mapping):
         raise _BadRow(f"expected a JSON object, got {type(row).__name__}")
     if layout == "gsm8k":
-        prompt = _field(row, prompt_key or "question")
+        prompt = _field(row, prompt_key or "question", prompt=True)
         raw = _field(row, answer_key or "answer")
         if "####" not in raw and not _is_bare_answer(raw):
             # a worked solution without its '#### <answer>' line: the gold would be the whole text
             raise _BadRow("GSM8K answer has no '#### <final answer>' line")
         answer = extract_gsm8k_gold(raw)
     elif layout == "math":
-        prompt = _field(row, prompt_key or "problem")
+        prompt = _field(row, prompt_key or "problem", prompt=True)
         if answer_key is not None:
             raw = _field(row, answer_key)
             answer = extract_boxed(raw) or raw
@@ -196,7 +199,7 @@ def _row_to_pair(row: Any, layout: str, prompt_key: str | None, answer_key: str 
     elif layout == "custom":
         if not prompt_key or not answer_key:
             raise ValueError("layout='custom' needs both prompt_key and answer_key")
-        prompt = _field(row, prompt_key)
+        prompt = _field(row, prompt_key, prompt=True)
         raw = _field(row, answer_key)
         # A full worked solution is reduced to its final answer; a short answer is kept as is.
         answer = extract_gsm8k_gold(raw) if "####" in raw else (extract_boxed(raw) or raw)

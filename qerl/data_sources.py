@@ -90,6 +90,17 @@ def _looks_like_json_lines(text: str) -> bool:
 _ROW_TEXT_KEYS = ("question", "problem", "prompt")
 
 
+def _column_oriented(data: Mapping) -> bool:
+    """pandas' ``to_json`` layouts other than records: ``{"col": {"0": v, ...}}`` (columns), ``{"columns":
+    [...], "data": [[...]]}`` (split), or one list of plain values per field (``{"question": [...]}``)."""
+    values = list(data.values())
+    if {"columns", "data"} <= set(data):
+        return True
+    if values and all(isinstance(v, Mapping) and v for v in values):
+        return True
+    return bool(values) and all(isinstance(v, list) and v and not any(isinstance(x, Mapping) for x in v) for v in values)
+
+
 def _row_list(data: Any, path: Path) -> list:
     """The rows of a parsed ``.json`` document: a list of rows, an object holding exactly one non-empty
     list of objects (``{"data": [...]}``, maybe beside metadata and empty lists), or else one object
@@ -97,6 +108,12 @@ def _row_list(data: Any, path: Path) -> list:
     if isinstance(data, Mapping):
         if any(isinstance(data.get(k), str) for k in _ROW_TEXT_KEYS):
             return [data]
+        rows = list(data.values())
+        if rows and all(isinstance(r, Mapping) and any(isinstance(r.get(k), str) for k in _ROW_TEXT_KEYS) for r in rows):
+            return rows  # pandas' orient="index": {"0": {row}, "1": {row}}
+        if _column_oriented(data):
+            raise ValueError(f"{path}: column-oriented JSON (pandas' default `to_json`, or one list per field): "
+                             "write one object per row, e.g. df.to_json(path, orient='records', lines=True)")
         lists = [v for v in data.values() if isinstance(v, list) and v and all(isinstance(r, Mapping) for r in v)]
         if len(lists) > 1:
             raise ValueError(f"{path}: expected a JSON list of rows (or an object holding exactly one list of rows, "

@@ -205,7 +205,7 @@ def test_non_text_fields_are_bad_rows(tmp_path, caplog):
             {"problem": "P", "answer": {"x": 1}}, {"question": "Q3", "answer": 7}, GSM8K_ROWS[0]]
     ex = load_examples(write_jsonl(tmp_path / "g.jsonl", rows[:2] + rows[3:]), layout="gsm8k")
     assert [e.answer for e in ex] == ["7", "72"] and ex.num_skipped == 2
-    assert "field 'answer' is a bool" in caplog.text and "field 'question' is a list" in caplog.text
+    assert "field 'answer' is a bool" in caplog.text and "prompt field 'question' is not text (list" in caplog.text
     math = load_examples(write_jsonl(tmp_path / "m.jsonl", [rows[2], MATH_ROWS[0]]), layout="math")
     assert len(math) == 1 and "field 'answer' is a dict" in caplog.text
 
@@ -660,3 +660,33 @@ def test_an_integer_answer_longer_than_int_converts_loads_as_its_digits(tmp_path
     assert [e.answer for e in load_examples(jsonl)] == [big, "3"]
     assert [e.answer for e in load_examples(str(whole))] == ["-" + big]
     assert MathAccuracy()(["\\boxed{%s}" % big], [big]) == [1.0]
+
+
+def test_column_oriented_json_is_one_line_and_index_oriented_rows_load(tmp_path):
+    """pandas' default `to_json` writes one object per column: it read as one row whose fields are
+    dicts ("field 'answer' is a dict"); now a one-line error saying how to write rows. Its `index`
+    layout ({"0": row, "1": row}) is rows and loads."""
+    rows = [{"question": "What is 1+1?", "answer": "#### 2"}, {"question": "What is 2+2?", "answer": "#### 4"}]
+    layouts = {
+        "columns": {"question": {"0": rows[0]["question"], "1": rows[1]["question"]},
+                    "answer": {"0": rows[0]["answer"], "1": rows[1]["answer"]}},
+        "split": {"columns": ["question", "answer"], "index": [0, 1], "data": [[r["question"], r["answer"]] for r in rows]},
+        "lists": {"question": [r["question"] for r in rows], "answer": [r["answer"] for r in rows]},
+    }
+    for name, data in layouts.items():
+        path = tmp_path / f"{name}.json"
+        path.write_text(json.dumps(data))
+        with pytest.raises(ValueError, match=r"column-oriented JSON .* orient='records', lines=True"):
+            load_examples(str(path))
+    path = tmp_path / "index.json"
+    path.write_text(json.dumps({"0": rows[0], "1": rows[1]}))
+    assert [(e.prompt, e.answer) for e in load_examples(str(path))] == [("What is 1+1?", "2"), ("What is 2+2?", "4")]
+
+
+def test_a_prompt_that_is_not_text_is_a_skipped_row(tmp_path, caplog):
+    path = tmp_path / "num.jsonl"
+    path.write_text('{"question": 5, "answer": "#### 6"}\n{"question": "ok?", "answer": 6}\n')
+    with caplog.at_level(logging.WARNING):
+        examples = load_examples(str(path))
+    assert [(e.prompt, e.answer) for e in examples] == [("ok?", "6")]  # a number is fine as an answer
+    assert "prompt field 'question' is not text (int 5)" in caplog.text
