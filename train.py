@@ -38,9 +38,9 @@ def condensed(message: str) -> str:
 
 
 def _config_paths(argv: list[str]) -> list[str]:
-    """The files given with ``--config X`` / ``--config=X`` on a command line."""
-    paths = [arg.split("=", 1)[1] for arg in argv if arg.startswith("--config=")]
-    return paths + [argv[i + 1] for i, arg in enumerate(argv[:-1]) if arg == "--config"]
+    """The files given with ``--config X`` / ``--config=X`` / ``-c X`` on a command line."""
+    paths = [arg.split("=", 1)[1] for arg in argv if arg.startswith(("--config=", "-c="))]
+    return paths + [argv[i + 1] for i, arg in enumerate(argv[:-1]) if arg in ("--config", "-c")]
 
 
 class QeRLParser(LightningArgumentParser):

@@ -175,7 +175,8 @@ def trained_seed(ckpt: dict) -> int | None:
         return int(seed)
     data_hp = ckpt.get("datamodule_hyper_parameters")
     data = ckpt.get("PromptDataModule")  # Lightning stores a data module's state under its class name
-    follows_run = isinstance(data_hp, dict) and "seed" in data_hp and data_hp["seed"] is None
+    key = "data_seed" if isinstance(data_hp, dict) and "data_seed" in data_hp else "seed"  # (its name since 2026-12-02)
+    follows_run = isinstance(data_hp, dict) and key in data_hp and data_hp[key] is None
     return int(data["seed"]) if follows_run and isinstance(data, dict) and "seed" in data else None
 
 

@@ -12,6 +12,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from qerl.settings_checks import require_numbers
@@ -83,7 +84,9 @@ class RolloutEngine:
     ) -> Generation:
         """``n`` samples of each prompt. ``seed``: an int seeds the call (prompt i draws from
         ``derive_seed(seed, i)``); a list gives every prompt its own seed, so its samples do not depend
-        on which other prompts share the call (evaluation: the same samples at any batch or world size)."""
+        on which other prompts share the call (evaluation: the same samples at any batch or world size).
+        Give hashed seeds (``derive_seed``): vLLM draws sample j of a prompt seeded s from s + j, so
+        consecutive seeds would share streams across prompts."""
         raise NotImplementedError
 
     def sleep(self) -> None:  # optional
@@ -116,10 +119,10 @@ def prompt_seeds(seed: int | Sequence[int], prompts: int) -> list[int]:
 
 def sample_uniforms(prompt_seed: int, sample: int, steps: int) -> torch.Tensor:
     """``(steps,)`` float64 uniforms in [0, 1) that draw the tokens of sample ``sample`` of a prompt
-    seeded ``prompt_seed``: one per generated token, from torch's CPU generator seeded by the pair, so a
-    completion's draws are its own whatever else is decoded beside it."""
-    gen = torch.Generator().manual_seed(derive_seed(prompt_seed, sample))
-    return torch.rand(steps, generator=gen, dtype=torch.float64)
+    seeded ``prompt_seed``: one per generated token, from a generator seeded by the pair, so a
+    completion's draws are its own whatever else is decoded beside it. NumPy's PCG64 takes the whole
+    62-bit seed (torch's CPU generator keeps 32 bits: two of 150k rows drew the same stream)."""
+    return torch.from_numpy(np.random.default_rng(derive_seed(prompt_seed, sample)).random(steps))
 
 
 def sample_inverse_cdf(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:

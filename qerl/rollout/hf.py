@@ -397,10 +397,10 @@ class HFEngine(RolloutEngine):
                     nxt = sample_inverse_cdf(logp.exp(), uniforms[:, t])
                 nxt = torch.where(finished, torch.full_like(nxt, self.pad_token_id), nxt)
                 tokens = torch.cat([tokens, nxt[:, None]], 1)
-                # (B, 1); NaN when a row's logits hold NaN / +inf (-inf is a stopped row's padding
-                # outside the top-p / top-k set: cut off below)
+                # (B, 1); NaN when a row's logits hold NaN / +inf; -inf is fine only as a stopped row's
+                # padding outside the top-p / top-k set (cut off below)
                 picked = logp.gather(-1, nxt[:, None])
-                non_finite |= picked.isnan().any()
+                non_finite |= (picked.isnan() | (picked.isinf() & ~finished[:, None])).any()
                 logprobs = torch.cat([logprobs, picked], 1)
                 just_stopped = ~finished & torch.isin(nxt, stop)
                 lengths = torch.where(just_stopped, torch.full_like(lengths, t + 1), lengths)
