@@ -81,8 +81,8 @@ def check_trainer_settings(trainer) -> None:
 
 
 def checkpoint_dirs(config) -> list[str]:
-    """The ``dirpath`` of every ModelCheckpoint in a parsed subcommand config (where ``last`` is)."""
-    check_sections(config)  # (`trainer: 5` has no callbacks to look at)
+    """The ``dirpath`` of every ModelCheckpoint in a parsed subcommand config (where ``last`` is); its
+    sections are mappings (``QeRLCLI.parse_arguments`` checked them before ``_parse_ckpt_path`` runs)."""
     callbacks = config.get("trainer", {}).get("callbacks") or []
     return [str(cb.init_args.dirpath) for cb in callbacks if str(getattr(cb, "class_path", "")).endswith("Checkpoint")
             and getattr(getattr(cb, "init_args", None), "dirpath", None)]

@@ -137,7 +137,7 @@ class OptimizerSettings:
 _MAX_LR = 1e3
 
 
-# Lightning warnings whose advice does not apply to this module (silenced when a run starts):
+# Lightning warnings whose advice does not apply to this module (silenced when QeRLModule is built):
 LIGHTNING_ADVICE_THAT_DOES_NOT_APPLY = (
     # step checkpoints should hold a "pre-optimization" copy of the weights: here the post-step state is
     # the right one, it pairs with the optimizer state and global_step that resume continues from

@@ -39,8 +39,9 @@ Manual (``engine: vllm`` in ``RolloutCallback``, settings under ``vllm:`` = :cla
   trainer applies it) and a warning says so; ``norm_cast_error`` holds the largest rounding of the
   last sync, and the truncated-IS ratio absorbs the difference.
 * **Seeds.** Request i gets its own seed, derived from (seed, i) or given per prompt (vLLM adds the
-  sample index), so a step is reproducible and a prompt's samples do not depend on its batch; per-request generators cost a small per-row loop in vLLM's sampler
-  (``seed_requests: false`` turns them off).
+  sample index), so a step is reproducible and a prompt's samples do not depend on its batch;
+  per-request generators cost a small per-row loop in vLLM's sampler (``seed_requests: false``
+  turns them off).
 """
 
 from __future__ import annotations
