@@ -55,13 +55,8 @@ from lightning_modules.prompt_stream import (  # noqa: F401  (BATCH_KEYS, epoch_
     epoch_permutation,
 )
 from qerl.seeding import resolve_seed
-from qerl.data import (
-    DEFAULT_SYSTEM_PROMPT,
-    Layout,
-    PromptExample,
-    encode_prompts,
-    load_examples,
-)
+from qerl.data import Layout, PromptExample, load_examples
+from qerl.prompts import DEFAULT_SYSTEM_PROMPT, check_prompt_format, encode_prompts, prompt_format_digest
 
 logger = logging.getLogger(__name__)
 
@@ -89,6 +84,12 @@ class PromptDataModule(L.LightningDataModule):
         system_prompt: System message before every question; None or "" for none (then the model's
             chat template decides: Qwen2.5's adds its own "You are Qwen, created by Alibaba Cloud..."
             prompt, which does not ask for ``\\boxed{}``).
+        prompt_template: The whole prompt as plain text instead of the tokenizer's chat template,
+            for base models and "Zero" recipes; ``{question}`` (required) and ``{system_prompt}``
+            are filled in, nothing else is interpreted. E.g. R1-Zero's ``"A conversation between
+            User and Assistant. ... User: {question} Assistant: <think>"``. None: the chat template.
+        chat_template_kwargs: Extra variables for the tokenizer's chat template, e.g.
+            ``{enable_thinking: false}`` for Qwen3's non-thinking mode.
         prompts_per_step: Prompts per training batch (per device); each is sampled G times later.
         max_prompt_length: Longest training prompt in tokens (chat template included); longer
             prompts are dropped, with a logged count.
@@ -116,6 +117,8 @@ class PromptDataModule(L.LightningDataModule):
         prompt_key: str | None = None,
         answer_key: str | None = None,
         system_prompt: str | None = DEFAULT_SYSTEM_PROMPT,
+        prompt_template: str | None = None,
+        chat_template_kwargs: dict[str, Any] | None = None,
         prompts_per_step: int = 8,
         max_prompt_length: int = 512,
         max_eval_prompt_length: int | None = None,
@@ -144,6 +147,7 @@ class PromptDataModule(L.LightningDataModule):
             if isinstance(value, bool) or not isinstance(value, numbers.Integral) or not value >= least:
                 either = f" or null ({null})" if null is not None else ""
                 raise ValueError(f"data.{key} must be >= {least}{either}, an integer; got {value!r}")
+        check_prompt_format(prompt_template, chat_template_kwargs)
         if layout not in typing.get_args(Layout):  # (the CLI checks it; a module built in code did not)
             raise ValueError(f"data.layout must be one of {', '.join(typing.get_args(Layout))}, got {layout!r}")
         # `seed` is also QeRLModule's argument (the tiny model's init): Lightning refuses to log two
@@ -159,6 +163,8 @@ class PromptDataModule(L.LightningDataModule):
         self.prompt_key = prompt_key
         self.answer_key = answer_key
         self.system_prompt = system_prompt
+        self.prompt_template = prompt_template
+        self.chat_template_kwargs = dict(chat_template_kwargs) if chat_template_kwargs is not None else None
         self.prompts_per_step = prompts_per_step
         self.max_prompt_length = max_prompt_length
         self.max_eval_prompt_length = max_eval_prompt_length
@@ -261,7 +267,8 @@ class PromptDataModule(L.LightningDataModule):
             raw = self._load(kind, name)
             setting, limit = (("max_prompt_length", self.max_prompt_length) if kind == "train"
                               else ("max_eval_prompt_length", self.max_eval_prompt_length))
-            kept, ids, dropped = encode_prompts(tokenizer, raw, self.system_prompt, limit)
+            kept, ids, dropped = encode_prompts(tokenizer, raw, self.system_prompt, limit, template=self.prompt_template,
+                                                chat_template_kwargs=self.chat_template_kwargs)
             if dropped:
                 logger.warning("%s set %r: dropped %d of %d prompts longer than data.%s=%d tokens",
                                kind, name, dropped, len(raw), setting, limit)
@@ -371,6 +378,7 @@ class PromptDataModule(L.LightningDataModule):
             "seed": self.seed,
             "train_source": str(self.train_source),
             "prompts_per_step": self.prompts_per_step,
+            "prompt_format": self._prompt_format(),
             "num_train_prompts": n,
             "world_size": self._rank_world()[1],
         }
@@ -381,12 +389,17 @@ class PromptDataModule(L.LightningDataModule):
         self._batches_consumed = int(state_dict.get("batches_consumed", 0))
         self._loaded_meta = dict(state_dict)
 
+    def _prompt_format(self) -> str:
+        """A short digest of what turns a question into a prompt (system prompt, template, chat
+        template variables): a resume that changes it is warned like a changed source."""
+        return prompt_format_digest(self.system_prompt, self.prompt_template, self.chat_template_kwargs)
+
     def _check_loaded_meta(self, num_prompts: int, world_size: int) -> None:
         meta, self._loaded_meta = self._loaded_meta, None
         if not meta:
             return
         now = {"seed": self.seed, "train_source": str(self.train_source), "prompts_per_step": self.prompts_per_step,
-               "num_train_prompts": num_prompts, "world_size": world_size}
+               "prompt_format": self._prompt_format(), "num_train_prompts": num_prompts, "world_size": world_size}
         changed = {k: (meta.get(k), v) for k, v in now.items() if meta.get(k) is not None and meta.get(k) != v}
         if changed:
             logger.warning(

@@ -111,8 +111,11 @@ def _max_steps(own: int | None, state: MonitorState | None) -> int:
 class StagedSchedule(NoiseController):
     """Training split into ``num_stages`` equal stages (paper, Algorithm 1); stage 0 has sigma = 0.
 
-    Stage k of step s (0-based) is ``min(s // floor(max_steps / K), K - 1)``: the paper's
-    ``floor((step - 1) / steps_per_stage)`` with its 1-based steps. Stages 1..K-1 decay from
+    Stage k of step s (0-based) is ``min(floor(s * K / max_steps), K - 1)``: stages as equal as whole
+    steps allow (their lengths differ by at most one). Where K divides max_steps this is the paper's
+    ``floor((step - 1) / steps_per_stage)`` with its 1-based steps; otherwise the official code's
+    ``steps_per_stage = max_steps // K`` piles the remainder onto the last stage (max_steps = 19,
+    K = 10: stages of 1 step and a last one of 10, sigma_end from 47% of the run). Stages 1..K-1 decay from
     ``sigma_start`` to ``sigma_end`` along a shape f(t), t in [0, 1], which subclasses define.
 
     Args:
@@ -142,8 +145,7 @@ class StagedSchedule(NoiseController):
     def stage(self, step: int, state: MonitorState | None = None) -> int:
         if self.max_steps is None and state is None and self._state_max_steps is not None:
             state = MonitorState(max_steps=self._state_max_steps)
-        per_stage = max(1, _max_steps(self.max_steps, state) // self.num_stages)
-        return min(max(step, 0) // per_stage, self.num_stages - 1)
+        return min(max(step, 0) * self.num_stages // _max_steps(self.max_steps, state), self.num_stages - 1)
 
     def sigma(self, step: int, state: MonitorState | None = None) -> float:
         if state is not None:

@@ -1,4 +1,4 @@
-"""Prompt data for math RL: load question/answer pairs and turn questions into chat prompt ids.
+"""Prompt data for math RL: load question/answer pairs (their prompt ids: `qerl.prompts`).
 
 Pure Python (no Lightning); `lightning_modules.data.PromptDataModule` wraps it for the Trainer.
 
@@ -32,17 +32,17 @@ import math
 import random
 import re
 import struct
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from decimal import Decimal
 from typing import Any, Literal
 
 from qerl.answers import extract_boxed, extract_gsm8k_gold
 from qerl.data_sources import BadRow as _BadRow, raw_rows as _raw_rows
+from qerl.prompts import DEFAULT_SYSTEM_PROMPT, build_prompt_ids, encode_prompts  # noqa: F401 (re-exported)
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_SYSTEM_PROMPT = "Please reason step by step, and put your final answer within \\boxed{}."
 SYNTHETIC_SOURCE = "synthetic-arithmetic"
 # Rows generated for `synthetic-arithmetic` when no limit is given.
 SYNTHETIC_DEFAULT_SIZE = 1024
@@ -325,101 +325,3 @@ def synthetic_arithmetic(n: int, seed: int, max_operand: int = 20, exclude: froz
         if prompt not in exclude:
             out.append(PromptExample(prompt=prompt, answer=str(ops[op](a, b)), source=SYNTHETIC_SOURCE, index=len(out)))
     return out
-
-
-# ----------------------------------------------------------------------------------------------
-# Prompt token ids
-# ----------------------------------------------------------------------------------------------
-
-_warned_no_template = False
-
-
-def _messages(question: str, system_prompt: str | None) -> list[dict[str, str]]:
-    msgs = [{"role": "system", "content": system_prompt}] if system_prompt else []
-    return msgs + [{"role": "user", "content": question}]
-
-
-def _to_id_lists(encoded: Any) -> list[list[int]]:
-    """Normalise apply_chat_template/tokenizer output (list, nested list, BatchEncoding, tensor)."""
-    if isinstance(encoded, Mapping) or hasattr(encoded, "input_ids"):
-        encoded = encoded["input_ids"]
-    if hasattr(encoded, "tolist"):
-        encoded = encoded.tolist()
-    encoded = list(encoded)
-    if not encoded or isinstance(encoded[0], int):
-        return [[int(t) for t in encoded]]
-    return [[int(t) for t in ids] for ids in encoded]
-
-
-def _has_chat_template(tokenizer: Any) -> bool:
-    return bool(getattr(tokenizer, "chat_template", None))
-
-
-def _warn_no_template(tokenizer: Any) -> None:
-    global _warned_no_template
-    if not _warned_no_template:
-        _warned_no_template = True
-        logger.warning(
-            "tokenizer %s has no chat template; prompts are plain text 'system\\n\\nquestion\\n'",
-            getattr(tokenizer, "name_or_path", type(tokenizer).__name__),
-        )
-
-
-def _plain_text(question: str, system_prompt: str | None) -> str:
-    return f"{system_prompt}\n\n{question}\n" if system_prompt else f"{question}\n"
-
-
-def build_prompt_ids(tokenizer: Any, question: str, system_prompt: str | None) -> list[int]:
-    """Token ids of the chat prompt ``[system?, user]`` with the assistant turn opened.
-
-    Uses ``tokenizer.apply_chat_template(..., add_generation_prompt=True, tokenize=True)``; a
-    tokenizer without a chat template gets plain ``"system\\n\\nquestion\\n"`` text instead (one
-    warning per process). ``system_prompt`` None or empty means no system message.
-    """
-    if not _has_chat_template(tokenizer):
-        _warn_no_template(tokenizer)
-        return _to_id_lists(tokenizer(_plain_text(question, system_prompt))["input_ids"])[0]
-    from jinja2.exceptions import TemplateError
-
-    def render(messages: list[dict[str, str]]) -> list[int]:
-        return _to_id_lists(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True))[0]
-
-    try:
-        return render(_messages(question, system_prompt))
-    except TemplateError as err:  # Gemma's, Mistral-Instruct v0.1's templates raise on a system turn
-        if not system_prompt:
-            raise ValueError(f"the tokenizer's chat template failed on a user message: {err}") from err
-        _warn_folded_system_prompt(tokenizer, err)
-        return render(_messages(f"{system_prompt}\n\n{question}", None))
-
-
-_warned_folded_system_prompt = False
-
-
-def _warn_folded_system_prompt(tokenizer: Any, err: Exception) -> None:
-    global _warned_folded_system_prompt
-    if not _warned_folded_system_prompt:
-        _warned_folded_system_prompt = True
-        logger.warning("the chat template of %s refuses a system message (%s): data.system_prompt is put at the "
-                       "start of the user message instead (set data.system_prompt: null for none)",
-                       getattr(tokenizer, "name_or_path", type(tokenizer).__name__), err)
-
-
-def encode_prompts(
-    tokenizer: Any,
-    examples: Sequence[PromptExample],
-    system_prompt: str | None,
-    max_prompt_length: int | None = None,
-) -> tuple[list[PromptExample], list[list[int]], int]:
-    """`build_prompt_ids` for every example, dropping prompts longer than ``max_prompt_length`` tokens.
-
-    Returns ``(kept_examples, kept_prompt_ids, num_dropped)``; order is preserved.
-    """
-    kept: list[PromptExample] = []
-    kept_ids: list[list[int]] = []
-    for ex in examples:
-        ids = build_prompt_ids(tokenizer, ex.prompt, system_prompt)
-        if max_prompt_length is None or len(ids) <= max_prompt_length:
-            kept.append(ex)
-            kept_ids.append(ids)
-    return kept, kept_ids, len(examples) - len(kept)

@@ -68,6 +68,19 @@ def test_exponential_schedule_matches_paper_stages():
     assert ExponentialSchedule().sigma(120, MonitorState(max_steps=600)) == pytest.approx(sched.sigma(120))
 
 
+@pytest.mark.parametrize("max_steps", [19, 25, 95, 601])
+def test_stages_stay_equal_when_num_stages_does_not_divide_max_steps(max_steps):
+    """Stage lengths differ by at most one step (the official code's max_steps // K piles the
+    remainder onto the last stage: 19 steps, K = 10 gave nine 1-step stages and a 10-step last one)."""
+    sched = ExponentialSchedule(1e-2, 5e-4, num_stages=10, max_steps=max_steps)
+    stages = [sched.stage(s) for s in range(max_steps)]
+    lengths = [stages.count(k) for k in range(10)]
+    assert stages == sorted(stages) and max(lengths) - min(lengths) <= 1, lengths
+    assert sched.sigma(0) == 0.0 and sched.sigma(max_steps - 1) == pytest.approx(5e-4)
+    first_end = stages.index(9)  # sigma_end only in about the last tenth of the run
+    assert max_steps - first_end == lengths[9] <= -(-max_steps // 10)
+
+
 @pytest.mark.parametrize("cls", [LinearSchedule, CosineSchedule, LogarithmicSchedule, ExponentialSchedule])
 def test_staged_schedules_share_the_staging(cls):
     sched = cls(sigma_start=5e-2, sigma_end=5e-4, num_stages=10, max_steps=600)

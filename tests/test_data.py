@@ -10,6 +10,7 @@ import torch
 
 from lightning_modules.data import BATCH_KEYS, PromptDataModule, epoch_permutation
 from qerl import data as qdata
+from qerl import prompts as qprompts
 from qerl.data import (
     DEFAULT_SYSTEM_PROMPT,
     build_prompt_ids,
@@ -295,14 +296,73 @@ _GEMMA_LIKE_TEMPLATE = (  # Gemma's and Mistral-Instruct v0.1's templates raise 
 def test_prompts_without_a_usable_system_turn_warn_once(template, flag, warning, expected, caplog, monkeypatch):
     tokenizer = build_tiny_tokenizer()
     tokenizer.chat_template = template
-    monkeypatch.setattr(qdata, flag, False)
-    with caplog.at_level(logging.WARNING, logger="qerl.data"):
+    monkeypatch.setattr(qprompts, flag, False)
+    with caplog.at_level(logging.WARNING, logger="qerl.prompts"):
         first = build_prompt_ids(tokenizer, "Q?", "S")
         build_prompt_ids(tokenizer, "Q2?", "S")
     assert tokenizer.decode(first) == expected
     assert caplog.text.count(warning) == 1
     if template is not None:
         assert tokenizer.decode(build_prompt_ids(tokenizer, "Q?", None)) == "<turn>user\nQ?\n<turn>model\n"
+
+
+R1_ZERO_TEMPLATE = ("A conversation between User and Assistant. {system_prompt}\nUser: {question}\n"
+                    "Assistant: <think>")
+
+
+def test_prompt_template_replaces_the_chat_template(tokenizer, caplog, monkeypatch):
+    """A plain-text template: {question} / {system_prompt} filled in one pass, LaTeX braces and a
+    question's own "{system_prompt}" left alone, no chat-template token anywhere."""
+    question = r"Find {x} with \frac{1}{2} = x {system_prompt}"
+    ids = build_prompt_ids(tokenizer, question, "Box it: \\boxed{}.", template=R1_ZERO_TEMPLATE)
+    assert tokenizer.decode(ids) == (
+        "A conversation between User and Assistant. Box it: \\boxed{}.\n"
+        r"User: Find {x} with \frac{1}{2} = x {system_prompt}" "\nAssistant: <think>")
+    # a template without {system_prompt}: the system prompt is left out, and that is said once
+    monkeypatch.setattr(qprompts, "_warned_unused_system_prompt", False)
+    with caplog.at_level(logging.WARNING, logger="qerl.prompts"):
+        assert tokenizer.decode(build_prompt_ids(tokenizer, "Q?", "S", template="Q: {question}\nA:")) == "Q: Q?\nA:"
+        build_prompt_ids(tokenizer, "Q2?", "S", template="Q: {question}\nA:")
+        build_prompt_ids(tokenizer, "Q3?", None, template="Q: {question}\nA:")
+    assert caplog.text.count("data.prompt_template has no {system_prompt}") == 1
+
+
+def test_chat_template_kwargs_reach_the_template():
+    tokenizer = build_tiny_tokenizer()
+    tokenizer.chat_template = (  # Qwen3-like: a variable that switches thinking off
+        "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}{% endfor %}<|assistant|>"
+        "{% if enable_thinking is defined and not enable_thinking %}<think></think>{% endif %}")
+    plain = tokenizer.decode(build_prompt_ids(tokenizer, "Q?", None))
+    off = tokenizer.decode(build_prompt_ids(tokenizer, "Q?", None, chat_template_kwargs={"enable_thinking": False}))
+    assert plain == "<|user|>Q?<|assistant|>" and off == "<|user|>Q?<|assistant|><think></think>"
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"prompt_template": "Solve: {problem}"}, "data.prompt_template must be text containing {question}"),
+    ({"prompt_template": "{question}", "chat_template_kwargs": {"enable_thinking": False}}, "set one of them"),
+    ({"chat_template_kwargs": {"add_generation_prompt": False}}, "cannot set add_generation_prompt"),
+    ({"chat_template_kwargs": ["enable_thinking"]}, "data.chat_template_kwargs must map names to values"),
+])
+def test_prompt_format_errors_are_one_line(kwargs, message):
+    with pytest.raises(ValueError, match=message.replace("{", r"\{").replace("}", r"\}")):
+        PromptDataModule(**kwargs)
+
+
+def test_datamodule_prompt_template_in_training_and_eval_batches_and_resume(tmp_path, tokenizer, caplog):
+    path = write_jsonl(tmp_path / "g.jsonl", GSM8K_ROWS)
+    dm = make_dm(tokenizer, prompt_template=R1_ZERO_TEMPLATE, val_sources={"g": path})
+    (batch,) = take(dm, 1)
+    for ids, prompt in zip(batch["prompt_ids"], batch["prompts"]):
+        assert tokenizer.decode(ids) == R1_ZERO_TEMPLATE.format(question=prompt, system_prompt=DEFAULT_SYSTEM_PROMPT)
+    (val,) = dm.val_dataloader()
+    first = next(iter(val))
+    assert tokenizer.decode(first["prompt_ids"][0]).startswith("A conversation between User and Assistant.")
+    # a resume under another prompt format is warned, like another source
+    resumed = make_dm(tokenizer)
+    resumed.load_state_dict(dm.state_dict())
+    with caplog.at_level("WARNING", logger="lightning_modules.data"):
+        next(iter(resumed.train_dataloader()))
+    assert "'prompt_format': (" in caplog.text
 
 
 # ------------------------------------------------------------------------------------------ DataModule
