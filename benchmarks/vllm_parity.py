@@ -62,7 +62,7 @@ def trainer_logprobs(model, prompts: list[list[int]], completions: list[list[int
             ids = torch.tensor([p + c], device="cuda")
             logits = model(input_ids=ids).logits[0, len(p) - 1: -1].float()  # (T, V)
             if sampling is not None:
-                logits = filter_logits(logits / sampling.temperature, sampling.top_k, sampling.top_p)
+                logits = filter_logits(logits / sampling.temperature, sampling.top_k, sampling.top_p, sampling.min_p)
             out.append(torch.log_softmax(logits, -1).gather(-1, ids[0, len(p):, None])[:, 0])
     return out
 

@@ -59,7 +59,7 @@ class RolloutCallback(L.Callback):
     Args:
         reward: the reward function (a ``qerl.rewards`` class by ``class_path``; default math-verify accuracy).
         group_size: completions sampled per prompt (G >= 2: the advantages compare them).
-        sampling: temperature, top-p, top-k, max_new_tokens.
+        sampling: temperature, top-p, top-k, min-p, max_new_tokens.
         engine: hf (the training model itself, works on CPU) or vllm (colocated; GPU).
         max_batch_size: sequences decoded together by the hf engine.
         cuda_graphs: hf engine on CUDA: decode from a static KV cache with the one-token step
@@ -192,7 +192,9 @@ class RolloutCallback(L.Callback):
 
     def load_state_dict(self, state_dict: dict) -> None:
         warn_if_seed_changed("RolloutCallback (the sampler)", state_dict.get("seed"), self.seed)
-        saved, now = state_dict.get("settings") or {}, self.rollout_settings()
+        saved, now = dict(state_dict.get("settings") or {}), self.rollout_settings()
+        if isinstance(saved.get("sampling"), dict):  # a setting added since that checkpoint: at its default
+            saved["sampling"] = {**dataclasses.asdict(SamplingSettings()), **saved["sampling"]}
         changed = {k: (saved[k], v) for k, v in now.items() if k in saved and saved[k] != v}
         if changed:  # the config runs (as for the model's settings); the curves change meaning here
             rank_zero_warn(f"RolloutCallback: resumed with other rollout settings than the checkpoint's "

@@ -330,6 +330,9 @@ def test_a_resume_with_other_rollout_settings_warns():
         warnings.simplefilter("error")
         RolloutCallback(reward=CharIsA(), group_size=4, seed=1).load_state_dict(saved)  # the same: silent
         RolloutCallback(reward=CharIsA(), group_size=4, seed=1).load_state_dict({"seed": 1})  # an older checkpoint
+        older = {**saved, "settings": {**saved["settings"], "sampling": {  # before min_p existed
+            k: v for k, v in saved["settings"]["sampling"].items() if k != "min_p"}}}
+        RolloutCallback(reward=CharIsA(), group_size=4, seed=1).load_state_dict(older)
     changed = RolloutCallback(reward=MathAccuracy(), group_size=8, sampling=SamplingSettings(temperature=0.7), seed=1)
     with pytest.warns(UserWarning, match="other rollout settings") as record:
         changed.load_state_dict(saved)

@@ -11,7 +11,8 @@ from qerl.aqn import attach_noisy_norms
 from qerl.model import LoraSettings, load_policy
 from qerl.rollout import SamplingSettings
 from qerl.rollout.base import prompt_seeds, sample_inverse_cdf, sample_uniforms
-from qerl.rollout.hf import HFEngine, _packed_gqa_sdpa, decode_mode, lean_lora_forward, packed_gqa_decode_attention
+from qerl.rollout.hf import (HFEngine, _packed_gqa_sdpa, decode_mode, filter_logits, lean_lora_forward,
+                             packed_gqa_decode_attention)
 
 PROMPTS = [[5, 6, 7, 8, 9], [11, 12], [13, 14, 15], [20]]  # different lengths: left padding matters
 
@@ -106,6 +107,23 @@ def test_truncated_sampling_returns_the_log_probs_it_sampled_from():
         kept = torch.tensor(lp)
         assert torch.all(kept >= full - 1e-5) and torch.all(kept <= 0)
         assert torch.any(kept > full + 1e-3)  # a real truncation happened somewhere
+    # min-p 0.5: only tokens at least half as likely as the best one; the log-probs are over that set
+    minp = _generate(engine, model, SamplingSettings(temperature=1.0, min_p=0.5, max_new_tokens=8), 2, static=False)
+    for i, (c, lp) in enumerate(zip(minp.completion_ids, minp.sampler_logprobs)):
+        full = _teacher_forced(model, PROMPTS[i], c, 1.0)
+        assert torch.all(torch.tensor(lp) >= full - 1e-5)
+
+
+def test_filter_logits_min_p_then_top_k_then_top_p():
+    """vLLM's order: min-p on the tempered probabilities, then top-k, then top-p over what is left."""
+    probs = torch.tensor([[0.40, 0.30, 0.15, 0.10, 0.05]])
+    logits = probs.log()
+    kept = lambda **kw: torch.isfinite(filter_logits(logits, kw.get("k", 0), kw.get("p", 1.0), kw.get("m", 0.0)))[0].tolist()
+    assert kept(m=0.3) == [True, True, True, False, False]  # >= 0.3 x 0.40 = 0.12
+    assert kept(m=0.3, k=2) == [True, True, False, False, False]
+    # top-p over the renormalised min-p set (0.40 / 0.85 = 0.47 < 0.5, so the second token is kept too)
+    assert kept(m=0.3, p=0.5) == [True, True, False, False, False]
+    assert kept(m=0.0) == [True] * 5 and kept(m=1.0) == [True, False, False, False, False]
 
 
 def test_adapters_run_in_the_model_dtype_while_generating():

@@ -114,9 +114,10 @@ def test_outputs_to_generation_prompt_major():
 
 def test_sampling_params_kwargs():
     kw = sampling_params_kwargs(SamplingSettings(temperature=0.7, top_p=0.9, top_k=20, max_new_tokens=64), 8)
-    assert kw == dict(n=8, temperature=0.7, top_p=0.9, top_k=20, max_tokens=64, logprobs=0, detokenize=False)
+    assert kw == dict(n=8, temperature=0.7, top_p=0.9, top_k=20, min_p=0.0, max_tokens=64, logprobs=0, detokenize=False)
     greedy = sampling_params_kwargs(SamplingSettings(temperature=0.0, top_p=0.5, top_k=3, max_new_tokens=9), 4)
-    assert greedy == dict(n=1, temperature=0.0, top_p=1.0, top_k=0, max_tokens=9, logprobs=0, detokenize=False)
+    assert greedy == dict(n=1, temperature=0.0, top_p=1.0, top_k=0, min_p=0.0, max_tokens=9, logprobs=0, detokenize=False)
+    assert sampling_params_kwargs(SamplingSettings(min_p=0.05), 2)["min_p"] == 0.05
     assert sampling_params_kwargs(SamplingSettings(top_k=0), 2)["top_k"] == 0
     seeds = {derive_seed(s, i) for s in range(20) for i in range(50)}
     assert len(seeds) == 1000 and max(seeds) < 2**62 and derive_seed(3, 4) == derive_seed(3, 4)

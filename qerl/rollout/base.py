@@ -27,12 +27,15 @@ class SamplingSettings:
         top_p: nucleus sampling mass (1.0 = off).
         top_k: keep only the k most likely tokens (0 = off).
         max_new_tokens: completion length cap; a completion that hits it finishes with "length".
+        min_p: drop tokens less likely than ``min_p`` x the most likely token (0 = off); applied
+            before top-k / top-p, on the tempered distribution, as vLLM does.
     """
 
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
     max_new_tokens: int = 256
+    min_p: float = 0.0
 
     def __post_init__(self) -> None:  # a bad YAML value fails at start, naming its key
         require_numbers(self, "sampling")
@@ -46,6 +49,8 @@ class SamplingSettings:
             raise ValueError(f"sampling.top_k must be >= 0 (0: off), got {self.top_k}")
         if not self.max_new_tokens >= 1:
             raise ValueError(f"sampling.max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if not 0 <= self.min_p <= 1:
+            raise ValueError(f"sampling.min_p must be in [0, 1] (0: off), got {self.min_p}")
 
 
 @dataclass
@@ -55,7 +60,7 @@ class Generation:
 
     ``sampler_logprobs[i][t]`` is the log-probability of the sampled token under the distribution
     it was drawn from: log softmax(logits / temperature) of the engine's own forward, restricted to
-    the top-k / top-p set and renormalised over it (with top_p = 1, top_k = 0, QeRL's setting, the
+    the min-p / top-k / top-p set and renormalised over it (with top_p = 1, top_k = 0, QeRL's setting, the
     trainer's own log softmax(logits / T)); log softmax(logits) when greedy. exp(trainer log-prob -
     sampler log-prob) is the truncated-IS weight, so a top-k/top-p rollout is corrected like any
     other mismatch between sampler and trainer.

@@ -43,8 +43,12 @@ STOP_CHECK_EVERY = 8
 log = logging.getLogger(__name__)
 
 
-def filter_logits(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
-    """Mask (to -inf) tokens outside the top-k and outside the smallest set of mass >= top_p."""
+def filter_logits(logits: torch.Tensor, top_k: int, top_p: float, min_p: float = 0.0) -> torch.Tensor:
+    """Mask (to -inf) tokens less likely than ``min_p`` x the most likely one, then those outside the
+    top-k, then those outside the smallest set of mass >= top_p (vLLM's order)."""
+    if min_p > 0:
+        probs = logits.softmax(-1)
+        logits = logits.masked_fill(probs < min_p * probs.amax(-1, keepdim=True), float("-inf"))
     if top_k > 0 and top_k < logits.shape[-1]:
         kth = torch.topk(logits, top_k, dim=-1).values[..., -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))
@@ -391,8 +395,8 @@ class HFEngine(RolloutEngine):
                 if greedy:
                     logp = F.log_softmax(logits, dim=-1)
                     nxt = logits.argmax(-1)
-                else:  # log-probs of the distribution sampled from: after top-k/top-p, renormalised (as vLLM's)
-                    kept = filter_logits(logits / sampling.temperature, sampling.top_k, sampling.top_p)
+                else:  # log-probs of the distribution sampled from: after min-p/top-k/top-p, renormalised (as vLLM's)
+                    kept = filter_logits(logits / sampling.temperature, sampling.top_k, sampling.top_p, sampling.min_p)
                     logp = F.log_softmax(kept, dim=-1)
                     nxt = sample_inverse_cdf(logp.exp(), uniforms[:, t])
                 nxt = torch.where(finished, torch.full_like(nxt, self.pad_token_id), nxt)

@@ -172,9 +172,9 @@ def sampling_params_kwargs(sampling: SamplingSettings, n: int) -> dict[str, Any]
     only the sampled token's log-prob comes back."""
     common = dict(max_tokens=int(sampling.max_new_tokens), logprobs=0, detokenize=False)
     if sampling.temperature <= 0:
-        return dict(n=1, temperature=0.0, top_p=1.0, top_k=0, **common)
+        return dict(n=1, temperature=0.0, top_p=1.0, top_k=0, min_p=0.0, **common)
     return dict(n=int(n), temperature=float(sampling.temperature), top_p=float(sampling.top_p),
-                top_k=max(int(sampling.top_k), 0), **common)
+                top_k=max(int(sampling.top_k), 0), min_p=float(sampling.min_p), **common)
 
 
 def outputs_to_generation(request_outputs) -> Generation:
