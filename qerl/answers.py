@@ -112,6 +112,13 @@ def boxed_answers(text: str) -> list[str]:
     return answers
 
 
+def answer_tag_content(text: str) -> str | None:
+    """The content of the last closed ``<answer>...</answer>`` (R1-style tags), or None (linear time)."""
+    end = text.rfind("</answer>")
+    start = text.rfind("<answer>", 0, end) if end >= 0 else -1
+    return text[start + len("<answer>"):end] if start >= 0 else None
+
+
 def hash_answer(text: str) -> str | None:
     """The line after the last ``####`` that reads as an answer (it starts with a number, ``$`` or a
     fraction, after emphasis and an ``Answer:`` prefix; ``x = 18`` when only the value follows),
@@ -175,9 +182,9 @@ def clean_short_answer(text: str) -> str:
 def extract_answer(completion: str) -> str | None:
     """Best-effort answer string of a completion, for logging tables (not used for scoring).
 
-    Order (first hit wins): 1) last ``\\boxed{}``/``\\fbox{}``; 2) the answer after the last ``####``;
-    3) text after the last "answer is"/"answer:"; 4) the last number in the text (commas
-    removed). Returns None if none applies.
+    Order (first hit wins): 1) last ``\\boxed{}``/``\\fbox{}``; 2) the last ``<answer>...</answer>``,
+    else the answer after the last ``####``; 3) text after the last "answer is"/"answer:"; 4) the
+    last number in the text (commas removed). Returns None if none applies.
     """
     if not isinstance(completion, str) or not completion:
         return None
@@ -186,6 +193,9 @@ def extract_answer(completion: str) -> str | None:
     if boxed is not None:
         return boxed
     completion = normalize_minus(completion)  # as MathAccuracy reads a completion without a box
+    tagged = answer_tag_content(completion)
+    if tagged and clean_short_answer(tagged):
+        return clean_short_answer(tagged)
     hashed = hash_answer(completion)
     if hashed and clean_short_answer(hashed):
         return clean_short_answer(hashed)

@@ -29,19 +29,18 @@ from __future__ import annotations
 
 import logging
 import math
-import re
 import sys
 import time
-from functools import lru_cache
 from typing import Any
 
 import math_verify
-from sympy import Basic, MatrixBase
 
 from qerl.answers import (  # noqa: F401
-    _ZERO_WIDTH, _boxed_spans, boxed_answers, extract_answer, extract_boxed, extract_gsm8k_gold, hash_answer,
+    _ZERO_WIDTH, _boxed_spans, answer_tag_content, boxed_answers, extract_answer, extract_boxed, extract_gsm8k_gold, hash_answer,
     is_long_integer, long_integers_equal, normalize_digits, normalize_minus)
 from qerl.deadline import call_with_deadline as _deadline
+from qerl.math_parsing import (  # noqa: F401 (re-exported)
+    _DIGIT_SEP_RE, _SPACE_SEP_RE, _is_multi_valued, _parse_gold, _parse_pred, _text_number)
 
 logger = logging.getLogger(__name__)
 _long_integer_warned = [False]  # (once per process: a data set's long golds would repeat it every step)
@@ -126,13 +125,15 @@ class MathAccuracy(RewardFunction):
     Extraction order: the last ``\\boxed{}`` content, with LaTeX thousands separators between
     digits removed (``5\\,000``, ``5{,}000``, ``5\\!000`` → ``5000``); if it is a number
     written in ``\\text{}`` with unit words (``\\text{18 dollars}``), that number is a further
-    candidate. Without a box (unless ``boxed_only``): the line after the last ``####`` (GSM8K
-    style) if math-verify parses anything there, else the whole (tail of the) completion, where
+    candidate. Without a box (unless ``boxed_only``): the last ``<answer>...</answer>`` (R1 style) or
+    else the line after the last ``####`` (GSM8K style) if math-verify parses anything there, else the whole (tail of the) completion, where
     math-verify takes the last LaTeX/number expression. Equivalences handled include
     ``\\frac{1}{2}``/``0.5``/``1/2``, ``1,000``/``1000``, ``\\$5``/``5`` and ``5\\%``/``5``.
 
     Args:
         boxed_only: If True, a completion without ``\\boxed{}`` scores 0 (no fallback parse).
+        answer_tag: If True, only the content of the last ``<answer>...</answer>`` is scored (R1-style
+            prompts; the rules above apply inside it) and a completion without one scores 0.
         timeout_s: Wall-clock limit per completion for parse + verify (main thread only); 0 or
             ``.inf`` for none.
         max_chars: The most characters math-verify parses (its regexes and LaTeX parser can be slow
@@ -142,13 +143,15 @@ class MathAccuracy(RewardFunction):
 
     name = "accuracy"
 
-    def __init__(self, boxed_only: bool = False, timeout_s: float = 2.0, max_chars: int = 10_000) -> None:
+    def __init__(self, boxed_only: bool = False, timeout_s: float = 2.0, max_chars: int = 10_000,
+                 answer_tag: bool = False) -> None:
         super().__init__()
         if not timeout_s >= 0:  # also refuses NaN
             raise ValueError(f"MathAccuracy: timeout_s must be >= 0 (0 or .inf: no limit), got {timeout_s}")
         self.boxed_only = boxed_only
         self.timeout_s = timeout_s
         self.max_chars = max_chars
+        self.answer_tag = answer_tag
         self._warmed_up = False
 
     def _warm_up(self) -> None:
@@ -170,6 +173,10 @@ class MathAccuracy(RewardFunction):
         """Score one completion; never raises (errors and timeouts give 0.0)."""
         if not isinstance(completion, str) or not isinstance(gold, str) or not gold.strip():
             return 0.0
+        if self.answer_tag:
+            completion = answer_tag_content(completion)
+            if completion is None:
+                return 0.0
         # Unicode digits as ASCII and zero-width characters gone (`\boxed{１２}`, `1\u200b2`), in the
         # completion and the gold alike: math-verify reads neither as 12.
         completion, gold = normalize_digits(completion), normalize_digits(gold)
@@ -235,115 +242,6 @@ class MathAccuracy(RewardFunction):
         return [self.score_one(c, a) for c, a in zip(completions, answers)]
 
 
-@lru_cache(maxsize=4096)
-def _parse_gold(gold: str) -> tuple:
-    """Parse a gold string once: a GRPO group shares one gold across all its completions.
-
-    Wrapped in ``$...$`` so LaTeX golds (``\\left( 3, \\frac{\\pi}{2} \\right)``) parse as LaTeX;
-    returns a tuple so the cached value cannot be mutated by callers.
-    """
-    parsed = math_verify.parse(f"${gold}$", parsing_timeout=None)
-    if not parsed:
-        parsed = math_verify.parse(gold, parsing_timeout=None)
-    return tuple(parsed)
-
-
-# A LaTeX space (thin `\,`, negative `\!`, medium `\:` / `\;`, control `\ `, tie `~`) or `{,}` between
-# a digit and a group of exactly three digits is a thousands separator (`5\,000`, `1\,234.5`,
-# `5{,}000`, `1\ 000`); `(1,\,2)` and `5\,00` are left alone.
-_DIGIT_SEP_RE = re.compile(r"(?<=\d)(?:\\[,!:; ]|~|\{,\})(?=\d{3}(?!\d))")
-# The same with a plain, no-break or thin space (`12 345`: math-verify reads it as 12*345 -- 1 000 as
-# 0); applied to the box and the gold, not to free text, where "3 100-page books" is two numbers.
-_SPACE_SEP_RE = re.compile("(?<=\\d)[ \u00a0\u2009\u202f](?=\\d{3}(?!\\d))")
-_TEXT_MACROS = r"text|textrm|textbf|textnormal|mbox|hbox|mathrm"  # (one list: \text{} units and loose boxes)
-_TEXT_RE = re.compile(rf"\\(?:{_TEXT_MACROS})\s*\{{([^{{}}]*)\}}")
-# A whole `\text{}`-unwrapped box that is one number, optionally followed by unit words.
-_NUMBER_UNITS_RE = re.compile(r"\s*(\\?\$?\s*[-+]?(?:\d[\d,]*(?:\.\d+)?|\.\d+))(?:\s+([A-Za-z][A-Za-z\s.]*))?")
-# A box without LaTeX: one number, then words whose first has 3+ letters (`18 dollars`, `5 USD`;
-# not `3 x`, `2 pi`, which are algebra) and none of which is maths or a magnitude (`2 sin x`,
-# `4 factorial`, `3 million`, `5 less than x` are other answers than the number).
-_BARE_NUMBER_UNITS_RE = re.compile(r"\s*([-+]?(?:\d[\d,]*(?:\.\d+)?|\.\d+))\s+([A-Za-z]{3,}[A-Za-z\s.]*)")
-_NOT_UNITS = frozenset(
-    "sin cos tan cot sec csc sinh cosh tanh arcsin arccos arctan log ln exp sqrt root roots factorial squared "
-    "cubed power powers times plus minus over divided and or less more than fewer greater smaller hundred "
-    "hundreds thousand thousands million millions billion billions trillion dozen dozens percent half halves "
-    "third thirds quarter quarters pi".split())
-
-
-# Boxes that math-verify 0.9 leaves as strings although their `$content$` is the number.
-_LOOSE_BOX_RE = re.compile(rf"%|\\(?:{_TEXT_MACROS}|operatorname|unit)(?![a-z])")
-# One closing `.`, `,` or `;` (not an ellipsis: `18, ...` is a sequence, `0.33...` is 1/3).
-_END_PUNCTUATION_RE = re.compile(r"(?<!\.)[ ]*[.,;]$")
-# A gold with several values: a comma outside brackets (`1, -2`; not `(1,2)` or `[0, 1)`) or `\pm`.
-_PM_RE = re.compile(r"\\(?:pm|mp)(?![A-Za-z])")
-_THOUSANDS_COMMA_RE = re.compile(r"(?<=\d),(?:\\!\s?)?(?=\d{3}(?!\d))")  # (`2, 100` is two values)
-
-
-def _is_multi_valued(gold: str) -> bool:
-    if _PM_RE.search(gold):
-        return True
-    depth = 0
-    for ch in _THOUSANDS_COMMA_RE.sub("", gold).replace("\\{", "{").replace("\\}", "}"):
-        depth += ch in "([{"
-        depth -= ch in ")]}"
-        if ch == "," and depth <= 0:
-            return True
-    return False
-
-
-def _text_number(boxed: str) -> str | None:
-    """``\\text{18 dollars}`` or ``18 dollars`` → ``18``: the number of a box that, with ``\\text{}``
-    unwrapped, is one number plus unit words; None for anything else (``\\text{Evelyn}``, ``2 and 3``)."""
-    if "\\" not in boxed:
-        m = _BARE_NUMBER_UNITS_RE.fullmatch(boxed)
-        if m is None or any(w.lower() in _NOT_UNITS for w in re.findall(r"[A-Za-z]+", m.group(2))):
-            return None
-        return m.group(1)
-    unwrapped = _TEXT_RE.sub(r"\1", boxed)
-    if unwrapped == boxed:
-        return None
-    m = _NUMBER_UNITS_RE.fullmatch(unwrapped)
-    if m is None or any(w.lower() in _NOT_UNITS for w in re.findall(r"[A-Za-z]+", m.group(2) or "")):
-        return None  # (`\text{3 million}`, `\text{5 less than x}` are other answers than the number)
-    return m.group(1)
-
-
-def _parse_pred(text: str, boxed: str | None = None) -> list:
-    """Parse a prediction with math-verify's defaults (LaTeX with boxed priority, then plain
-    expressions; rightmost match first). ``boxed`` is the (already normalised) box content that
-    ``text`` re-boxes, or None when the completion has no box.
-
-    math-verify 0.9 leaves some boxed contents as bare strings (``\\boxed{5\\%}`` → ``'5\\%'``)
-    although the same content parses inside ``$...$`` (→ 5); so when such a box (a percent sign,
-    ``\\text{}``-like units) gave no SymPy object, the ``$content$`` parses are added as further
-    candidates (verify takes any match), and a box ending in sentence punctuation (``18.``, ``18,``)
-    is parsed again without it. Only these: ``$5+$`` or ``$5 \\le$`` also parse to 5, and an
-    unfinished box is not the number.
-    A number in ``\\text{}`` with units (``\\text{18 dollars}``, a symbol ``18dollars`` to
-    math-verify) adds ``$18$`` likewise. Without a box, the line after the last ``####`` is parsed
-    first, since a GSM8K-style solution's ``$<<4+2=6.00>>6.00`` spans would otherwise outrank it.
-    """
-    if boxed is None:
-        tail = hash_answer(text)
-        if tail is not None:
-            parsed = (math_verify.parse(tail, parsing_timeout=None)  # (`-$5`: math-verify reads nothing)
-                      or math_verify.parse(tail.replace("\\$", "").replace("$", ""), parsing_timeout=None))
-            if parsed:
-                return parsed
-        return math_verify.parse(text, parsing_timeout=None)
-    parsed = math_verify.parse(text, parsing_timeout=None)
-    if not any(isinstance(p, (Basic, MatrixBase)) for p in parsed):
-        if _LOOSE_BOX_RE.search(boxed):
-            parsed = parsed + math_verify.parse(f"${boxed}$", parsing_timeout=None)
-        bare = _END_PUNCTUATION_RE.sub("", boxed)  # one sentence mark inside the box: `\boxed{18.}`
-        if bare and bare != boxed:
-            parsed = parsed + math_verify.parse("\\boxed{" + bare + "}", parsing_timeout=None)
-    number = _text_number(boxed)
-    if number is not None:
-        parsed = parsed + math_verify.parse(f"${number}$", parsing_timeout=None)
-    return parsed
-
-
 class FormatReward(RewardFunction):
     """1.0 if the completion contains exactly one closed, non-empty ``\\boxed{}``/``\\fbox{}``.
 
@@ -377,6 +275,44 @@ class FormatReward(RewardFunction):
         if self.max_chars_after is not None and len(completion) - (end + 1) > self.max_chars_after:
             return 0.0
         return 1.0
+
+    def compute(self, completions: list[str], answers: list[str]) -> list[float]:
+        return [self.score_one(c) for c in completions]
+
+
+class TagFormatReward(RewardFunction):
+    """1.0 if the completion is ``<think>...</think>`` then ``<answer>...</answer>`` and nothing else
+    (whitespace aside): DeepSeek-R1-Zero's format reward, for prompts that ask for those tags. Each
+    tag exactly once, the answer not empty; linear time on any text.
+
+    Args:
+        think_opened_in_prompt: The prompt itself ends with ``<think>`` (R1-Zero's template, "...
+            Assistant: <think>"), so the completion starts inside the thought, without that tag.
+    """
+
+    name = "tag_format"
+
+    def __init__(self, think_opened_in_prompt: bool = False) -> None:
+        super().__init__()
+        self.think_opened_in_prompt = think_opened_in_prompt
+
+    def score_one(self, completion: Any) -> float:
+        """Score one completion; never raises."""
+        if not isinstance(completion, str):
+            return 0.0
+        text = completion.strip()
+        expected = {"<think>": 0 if self.think_opened_in_prompt else 1, "</think>": 1, "<answer>": 1, "</answer>": 1}
+        if any(text.count(tag) != n for tag, n in expected.items()):
+            return 0.0
+        if not self.think_opened_in_prompt and not text.startswith("<think>"):
+            return 0.0
+        thought_end, answer_start = text.index("</think>"), text.index("<answer>")
+        if answer_start < thought_end or not text.endswith("</answer>"):
+            return 0.0
+        if text[thought_end + len("</think>"):answer_start].strip():  # only whitespace between the two
+            return 0.0
+        answer = text[answer_start + len("<answer>"):-len("</answer>")]
+        return 1.0 if answer.translate(_ZERO_WIDTH).strip() else 0.0
 
     def compute(self, completions: list[str], answers: list[str]) -> list[float]:
         return [self.score_one(c) for c in completions]

@@ -209,6 +209,26 @@ def test_the_data_and_model_seeds_can_differ_with_a_logger(tmp_path, monkeypatch
     assert hparams["seed"] == 3 and hparams["data_seed"] == 5
 
 
+def test_an_r1_zero_recipe_through_the_cli(tmp_path, monkeypatch):
+    """A plain-text prompt template (no chat template) with R1-style tag rewards, from a YAML."""
+    monkeypatch.chdir(tmp_path)
+    args = fast_args(tmp_path, 1)
+    cfg = yaml.safe_load(Path(args[1]).read_text())
+    cfg["data"].update(system_prompt=None, prompt_template="User: {question} Put the answer in <answer> </answer>."
+                                                           "\nAssistant: <think>")
+    rollout = next(cb for cb in cfg["trainer"]["callbacks"] if cb["class_path"].endswith("RolloutCallback"))
+    rollout["init_args"]["reward"] = {"class_path": "qerl.rewards.WeightedSum", "init_args": {"rewards": [
+        {"class_path": "qerl.rewards.MathAccuracy", "init_args": {"answer_tag": True}},
+        {"class_path": "qerl.rewards.TagFormatReward", "init_args": {"think_opened_in_prompt": True}}]}}
+    Path(args[1]).write_text(yaml.safe_dump(cfg))
+    cli = main(["fit", *args])
+    ids = cli.datamodule.train_dataloader().__iter__().__next__()["prompt_ids"][0]
+    text = cli.model.tokenizer.decode(ids)
+    assert text.startswith("User: What is") and text.endswith("</answer>.\nAssistant: <think>"), text
+    logged, _ = scalars(f"{tmp_path}/logs")
+    assert {"train/rewards/accuracy", "train/rewards/tag_format"} <= set(logged)
+
+
 def test_silent_failures_warn(tmp_path, monkeypatch):
     """A step without signal (every completion hits max_new_tokens, every group's rewards equal):
     with warn_after_steps=1 both silent-failure warnings fire."""

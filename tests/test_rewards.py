@@ -613,3 +613,34 @@ def test_non_finite_reward_weights_fail_at_construction() -> None:
 def test_a_box_of_zero_width_characters_is_empty() -> None:
     """`\\boxed{\\u200b}` looks empty and is: no format bonus for an invisible answer."""
     assert FormatReward()(["\\boxed{\u200b}", "\\boxed{\ufeff \u200d}", "\\boxed{1}"], ["1"] * 3) == [0.0, 0.0, 1.0]
+
+
+# ------------------------------------------------------------------------------------------ R1-style tags
+@pytest.mark.parametrize("completion, opened, expected", [
+    ("<think>2 + 2 is 4</think>\n<answer>4</answer>", False, 1.0),
+    ("  <think>x</think> <answer> 4 </answer>\n", False, 1.0),
+    ("2 + 2 is 4</think><answer>4</answer>", True, 1.0),  # the prompt ended with "<think>"
+    ("<think>x</think><answer>4</answer>", True, 0.0),  # a second <think>
+    ("<think>x</think><answer>4</answer> and more", False, 0.0),  # text after the answer
+    ("<think>x</think> so <answer>4</answer>", False, 0.0),  # text between
+    ("<answer>4</answer><think>x</think>", False, 0.0),  # wrong order
+    ("<think>x</think><answer> \u200b </answer>", False, 0.0),  # empty answer
+    ("<think>x</think><answer>4</answer><answer>5</answer>", False, 0.0),  # two answers
+    ("<think>x<answer>4</answer>", False, 0.0),  # thought never closed
+    ("<think>" * 50_000 + "</answer>" * 50_000, False, 0.0),  # adversarial: linear time
+    (None, False, 0.0),
+])
+def test_tag_format_reward(completion, opened, expected):
+    from qerl.rewards import TagFormatReward
+
+    assert TagFormatReward(think_opened_in_prompt=opened).score_one(completion) == expected
+
+
+def test_math_accuracy_answer_tag_scores_only_the_last_answer_span():
+    reward = MathAccuracy(answer_tag=True)
+    assert reward(["<think>maybe 5</think><answer>\\frac{1}{2}</answer>"], ["0.5"]) == [1.0]
+    assert reward(["<think>it is \\boxed{4}</think><answer>5</answer>"], ["4"]) == [0.0]  # the box in the thought is not it
+    assert reward(["<answer>3</answer> no, <answer>\\boxed{1,000}</answer>"], ["1000"]) == [1.0]
+    assert reward(["the answer is 4"], ["4"]) == [0.0]  # no tag
+    assert MathAccuracy()(["<think>x</think><answer>4</answer>"], ["4"]) == [1.0]  # without the option: the tail
+    assert extract_answer("<think>1 2 3</think><answer> 42 </answer>") == "42"  # the logged answer

@@ -1,0 +1,126 @@
+"""math-verify parsing of gold answers and predictions, as ``qerl.rewards.MathAccuracy`` uses it.
+
+math-verify 0.9 reads some common answer forms wrongly or not at all (``5\\,000`` as 0, ``5 dollars``
+as a product of symbols, ``\\boxed{5\\%}`` as a string); the helpers here normalise or add
+candidates for exactly those forms. Every function is pure; the caller bounds their run time.
+"""
+
+from __future__ import annotations
+
+import re
+from functools import lru_cache
+
+import math_verify
+from sympy import Basic, MatrixBase
+
+from qerl.answers import answer_tag_content, hash_answer
+
+
+@lru_cache(maxsize=4096)
+def _parse_gold(gold: str) -> tuple:
+    """Parse a gold string once: a GRPO group shares one gold across all its completions.
+
+    Wrapped in ``$...$`` so LaTeX golds (``\\left( 3, \\frac{\\pi}{2} \\right)``) parse as LaTeX;
+    returns a tuple so the cached value cannot be mutated by callers.
+    """
+    parsed = math_verify.parse(f"${gold}$", parsing_timeout=None)
+    if not parsed:
+        parsed = math_verify.parse(gold, parsing_timeout=None)
+    return tuple(parsed)
+
+
+# A LaTeX space (thin `\,`, negative `\!`, medium `\:` / `\;`, control `\ `, tie `~`) or `{,}` between
+# a digit and a group of exactly three digits is a thousands separator (`5\,000`, `1\,234.5`,
+# `5{,}000`, `1\ 000`); `(1,\,2)` and `5\,00` are left alone.
+_DIGIT_SEP_RE = re.compile(r"(?<=\d)(?:\\[,!:; ]|~|\{,\})(?=\d{3}(?!\d))")
+# The same with a plain, no-break or thin space (`12 345`: math-verify reads it as 12*345 -- 1 000 as
+# 0); applied to the box and the gold, not to free text, where "3 100-page books" is two numbers.
+_SPACE_SEP_RE = re.compile("(?<=\\d)[ \u00a0\u2009\u202f](?=\\d{3}(?!\\d))")
+_TEXT_MACROS = r"text|textrm|textbf|textnormal|mbox|hbox|mathrm"  # (one list: \text{} units and loose boxes)
+_TEXT_RE = re.compile(rf"\\(?:{_TEXT_MACROS})\s*\{{([^{{}}]*)\}}")
+# A whole `\text{}`-unwrapped box that is one number, optionally followed by unit words.
+_NUMBER_UNITS_RE = re.compile(r"\s*(\\?\$?\s*[-+]?(?:\d[\d,]*(?:\.\d+)?|\.\d+))(?:\s+([A-Za-z][A-Za-z\s.]*))?")
+# A box without LaTeX: one number, then words whose first has 3+ letters (`18 dollars`, `5 USD`;
+# not `3 x`, `2 pi`, which are algebra) and none of which is maths or a magnitude (`2 sin x`,
+# `4 factorial`, `3 million`, `5 less than x` are other answers than the number).
+_BARE_NUMBER_UNITS_RE = re.compile(r"\s*([-+]?(?:\d[\d,]*(?:\.\d+)?|\.\d+))\s+([A-Za-z]{3,}[A-Za-z\s.]*)")
+_NOT_UNITS = frozenset(
+    "sin cos tan cot sec csc sinh cosh tanh arcsin arccos arctan log ln exp sqrt root roots factorial squared "
+    "cubed power powers times plus minus over divided and or less more than fewer greater smaller hundred "
+    "hundreds thousand thousands million millions billion billions trillion dozen dozens percent half halves "
+    "third thirds quarter quarters pi".split())
+
+
+# Boxes that math-verify 0.9 leaves as strings although their `$content$` is the number.
+_LOOSE_BOX_RE = re.compile(rf"%|\\(?:{_TEXT_MACROS}|operatorname|unit)(?![a-z])")
+# One closing `.`, `,` or `;` (not an ellipsis: `18, ...` is a sequence, `0.33...` is 1/3).
+_END_PUNCTUATION_RE = re.compile(r"(?<!\.)[ ]*[.,;]$")
+# A gold with several values: a comma outside brackets (`1, -2`; not `(1,2)` or `[0, 1)`) or `\pm`.
+_PM_RE = re.compile(r"\\(?:pm|mp)(?![A-Za-z])")
+_THOUSANDS_COMMA_RE = re.compile(r"(?<=\d),(?:\\!\s?)?(?=\d{3}(?!\d))")  # (`2, 100` is two values)
+
+
+def _is_multi_valued(gold: str) -> bool:
+    if _PM_RE.search(gold):
+        return True
+    depth = 0
+    for ch in _THOUSANDS_COMMA_RE.sub("", gold).replace("\\{", "{").replace("\\}", "}"):
+        depth += ch in "([{"
+        depth -= ch in ")]}"
+        if ch == "," and depth <= 0:
+            return True
+    return False
+
+
+def _text_number(boxed: str) -> str | None:
+    """``\\text{18 dollars}`` or ``18 dollars`` → ``18``: the number of a box that, with ``\\text{}``
+    unwrapped, is one number plus unit words; None for anything else (``\\text{Evelyn}``, ``2 and 3``)."""
+    if "\\" not in boxed:
+        m = _BARE_NUMBER_UNITS_RE.fullmatch(boxed)
+        if m is None or any(w.lower() in _NOT_UNITS for w in re.findall(r"[A-Za-z]+", m.group(2))):
+            return None
+        return m.group(1)
+    unwrapped = _TEXT_RE.sub(r"\1", boxed)
+    if unwrapped == boxed:
+        return None
+    m = _NUMBER_UNITS_RE.fullmatch(unwrapped)
+    if m is None or any(w.lower() in _NOT_UNITS for w in re.findall(r"[A-Za-z]+", m.group(2) or "")):
+        return None  # (`\text{3 million}`, `\text{5 less than x}` are other answers than the number)
+    return m.group(1)
+
+
+def _parse_pred(text: str, boxed: str | None = None) -> list:
+    """Parse a prediction with math-verify's defaults (LaTeX with boxed priority, then plain
+    expressions; rightmost match first). ``boxed`` is the (already normalised) box content that
+    ``text`` re-boxes, or None when the completion has no box.
+
+    math-verify 0.9 leaves some boxed contents as bare strings (``\\boxed{5\\%}`` → ``'5\\%'``)
+    although the same content parses inside ``$...$`` (→ 5); so when such a box (a percent sign,
+    ``\\text{}``-like units) gave no SymPy object, the ``$content$`` parses are added as further
+    candidates (verify takes any match), and a box ending in sentence punctuation (``18.``, ``18,``)
+    is parsed again without it. Only these: ``$5+$`` or ``$5 \\le$`` also parse to 5, and an
+    unfinished box is not the number.
+    A number in ``\\text{}`` with units (``\\text{18 dollars}``, a symbol ``18dollars`` to
+    math-verify) adds ``$18$`` likewise. Without a box, the last ``<answer>...</answer>`` or else the
+    line after the last ``####`` is parsed first, since a GSM8K-style solution's ``$<<4+2=6.00>>6.00`` spans would otherwise outrank it.
+    """
+    if boxed is None:
+        tail = answer_tag_content(text)  # R1-style `<answer>4</answer>`: math-verify finds nothing in the tags
+        tail = hash_answer(text) if tail is None or not tail.strip() else tail
+        if tail is not None:
+            parsed = (math_verify.parse(tail, parsing_timeout=None)  # (`-$5`: math-verify reads nothing)
+                      or math_verify.parse(tail.replace("\\$", "").replace("$", ""), parsing_timeout=None))
+            if parsed:
+                return parsed
+        return math_verify.parse(text, parsing_timeout=None)
+    parsed = math_verify.parse(text, parsing_timeout=None)
+    if not any(isinstance(p, (Basic, MatrixBase)) for p in parsed):
+        if _LOOSE_BOX_RE.search(boxed):
+            parsed = parsed + math_verify.parse(f"${boxed}$", parsing_timeout=None)
+        bare = _END_PUNCTUATION_RE.sub("", boxed)  # one sentence mark inside the box: `\boxed{18.}`
+        if bare and bare != boxed:
+            parsed = parsed + math_verify.parse("\\boxed{" + bare + "}", parsing_timeout=None)
+    number = _text_number(boxed)
+    if number is not None:
+        parsed = parsed + math_verify.parse(f"${number}$", parsing_timeout=None)
+    return parsed
