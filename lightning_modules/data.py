@@ -67,7 +67,8 @@ class PromptDataModule(L.LightningDataModule):
         train_source: Training prompts: a ``.jsonl``/``.json``/``.parquet`` file, a directory, a
             Hugging Face dataset id (``"openai/gsm8k:main"`` = id ``openai/gsm8k``, config
             ``main``; ``"<dir>:main"`` for a downloaded copy), or ``"synthetic-arithmetic"``
-            (generated "What is 7 + 5?" problems).
+            (generated "What is 7 + 5?" problems). A list of sources trains on all of them, shuffled
+            together (each its own layout when ``auto``; ``num_train_examples`` applies per source).
         val_sources: Validation sets, name → source (e.g. ``{"gsm8k": "data/gsm8k/test.jsonl",
             "math500": "data/math500/test.jsonl"}``); one dataloader each, in this order, named
             by ``val_names``. None: no validation.
@@ -108,7 +109,7 @@ class PromptDataModule(L.LightningDataModule):
 
     def __init__(
         self,
-        train_source: str = "synthetic-arithmetic",
+        train_source: str | list[str] = "synthetic-arithmetic",
         val_sources: dict[str, str] | None = None,
         test_sources: dict[str, str] | None = None,
         split: str = "train",
@@ -147,6 +148,9 @@ class PromptDataModule(L.LightningDataModule):
             if isinstance(value, bool) or not isinstance(value, numbers.Integral) or not value >= least:
                 either = f" or null ({null})" if null is not None else ""
                 raise ValueError(f"data.{key} must be >= {least}{either}, an integer; got {value!r}")
+        if not isinstance(train_source, str) and (
+                not train_source or not all(isinstance(one, str) and one for one in train_source)):
+            raise ValueError(f"data.train_source must be a source or a non-empty list of them, got {train_source!r}")
         check_prompt_format(prompt_template, chat_template_kwargs)
         if layout not in typing.get_args(Layout):  # (the CLI checks it; a module built in code did not)
             raise ValueError(f"data.layout must be one of {', '.join(typing.get_args(Layout))}, got {layout!r}")
@@ -249,10 +253,14 @@ class PromptDataModule(L.LightningDataModule):
         key = (kind, name)
         if key not in self._raw:
             source = self._source(kind, name)
-            if kind == "train":
-                examples = load_examples(
-                    source, self.split, self.layout, self.prompt_key, self.answer_key, limit=self.num_train_examples
-                )
+            if kind == "train":  # (several sources: one after the other; the stream shuffles them together)
+                examples = []
+                for one in [source] if isinstance(source, str) else source:
+                    loaded = load_examples(one, self.split, self.layout, self.prompt_key, self.answer_key,
+                                           limit=self.num_train_examples)
+                    if not isinstance(source, str):
+                        logger.info("train source %s: %d examples", one, len(loaded))
+                    examples += loaded
             else:
                 examples = load_examples(source, self.eval_split, limit=self.num_val_examples)
             logger.info("%s set %r: %d examples from %s", kind, name, len(examples), source)

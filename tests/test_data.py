@@ -750,3 +750,17 @@ def test_a_prompt_that_is_not_text_is_a_skipped_row(tmp_path, caplog):
         examples = load_examples(str(path))
     assert [(e.prompt, e.answer) for e in examples] == [("ok?", "6")]  # a number is fine as an answer
     assert "prompt field 'question' is not text (int 5)" in caplog.text
+
+
+def test_several_training_sources_are_shuffled_together(tmp_path, tokenizer):
+    """A list of training sources: each loads with its own layout (GSM8K and MATH rows here),
+    num_train_examples per source, one stream over all of them."""
+    g = write_jsonl(tmp_path / "gsm8k.jsonl", GSM8K_ROWS)
+    m = write_jsonl(tmp_path / "math.jsonl", MATH_ROWS)
+    dm = make_dm(tokenizer, train_source=[g, m], num_train_examples=2, prompts_per_step=2)
+    seen = [(p, a) for b in take(dm, 4) for p, a in zip(b["prompts"], b["answers"])]
+    assert {a for _, a in seen} == {"72", "1080", "\\left( 3, \\frac{\\pi}{2} \\right)", "\\frac{1}{2}"}
+    assert dm.state_dict()["train_source"] == str([g, m])
+    for bad in ([], [g, None], [""]):
+        with pytest.raises(ValueError, match="data.train_source must be a source or a non-empty list"):
+            PromptDataModule(train_source=bad)
