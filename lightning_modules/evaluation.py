@@ -1,4 +1,4 @@
-"""Evaluation hooks of QeRLModule: pass@1 (greedy) and mean@k / pass@k (sampled) per dataset.
+"""Evaluation hooks of QeRLModule: pass@1 (greedy) and mean@n / maj@n / pass@k (sampled) per dataset.
 
 Used by ``python train.py validate|test --config X`` and by periodic validation during ``fit``
 (``trainer.val_check_interval``). Completions come from the RolloutCallback's engine: the colocated
@@ -21,7 +21,7 @@ from typing import Literal
 import torch
 from lightning.pytorch.utilities import rank_zero_warn
 
-from qerl.metrics import PassAtK
+from qerl.metrics import PassAtK, majority_vote
 from qerl.model import base_model_only
 from qerl.rewards import MathAccuracy, extract_answer
 from qerl.rollout import SamplingSettings
@@ -52,7 +52,8 @@ class EvalSettings:
     """Evaluation (validate / test / periodic validation during fit). AQN noise is never applied.
 
     Args:
-        samples: sampled completions per problem, n, for mean@n and pass@k (0 = greedy pass@1 only).
+        samples: sampled completions per problem, n, for mean@n, maj@n (n >= 2) and pass@k (0 = greedy
+            pass@1 only).
         pass_k: the k of the reported pass@k, 2 <= k <= samples (default: [samples]); unbiased
             estimator from n samples. ``pass@1`` is always the greedy accuracy.
         temperature: sampling temperature of those samples (the paper evaluates at 0.6).
@@ -134,16 +135,19 @@ def metrics_from_records(rows: list[dict], samples: int, pass_k) -> dict[str, fl
     if rows:
         greedy = torch.tensor([float(r["correct"]) for r in rows])  # (P,)
         sampled = torch.tensor([r["sampled_correct"] for r in rows]).float() if samples > 0 else None  # (P, n)
-        metric.update(greedy, sampled)
+        votes = None  # (P,) maj@n, from the rows that kept their samples' answers
+        if samples > 1 and all(r.get("sampled_extracted") is not None for r in rows):
+            votes = torch.tensor([majority_vote(r["sampled_correct"], r["sampled_extracted"]) for r in rows])
+        metric.update(greedy, sampled, votes)
     values = {k: float(v) for k, v in metric.compute().items()}
     values["problems"] = len(rows)
     return values
 
 
 def _column_order(metric: str) -> tuple:
-    """pass@1 (greedy) first, then mean@n, then pass@k by k (pass@2 before pass@16)."""
+    """pass@1 (greedy) first, then mean@n, maj@n, then pass@k by k (pass@2 before pass@16)."""
     name, _, k = metric.partition("@")
-    rank = 0 if metric == "pass@1" else {"mean": 1, "pass": 2}.get(name, 3)
+    rank = 0 if metric == "pass@1" else {"mean": 1, "maj": 2, "pass": 3}.get(name, 4)
     return (rank, int(k) if k.isdigit() else 0, metric)
 
 
@@ -205,16 +209,18 @@ class EvaluationMixin:
         answers = list(batch["answers"])
         greedy_text = tok.batch_decode(greedy.completion_ids, skip_special_tokens=True)
         greedy_ok = torch.tensor(scorer(greedy_text, answers))  # (P,)
-        sampled_ok = None
+        sampled_ok = sampled_answers = None
         if sampled is not None:
             texts = tok.batch_decode(sampled.completion_ids, skip_special_tokens=True)
             sampled_ok = torch.tensor(scorer(texts, [a for a in answers for _ in range(s.samples)])).view(-1, s.samples)
+            sampled_answers = [extract_answer(t) for t in texts]  # (P * n,): maj@n's votes
         for i, text in enumerate(greedy_text):
             self._eval_records[name].append({
                 "index": batch["indices"][i] if "indices" in batch else None, "prompt": batch["prompts"][i],
                 "gold": answers[i], "completion": text, "extracted": extract_answer(text),
                 "correct": bool(greedy_ok[i]), "finish": greedy.finish_reasons[i],
                 "sampled_correct": None if sampled_ok is None else sampled_ok[i].tolist(),
+                "sampled_extracted": None if sampled_answers is None else sampled_answers[i * s.samples:(i + 1) * s.samples],
             })
 
     def _evaluated_step(self) -> int:

@@ -6,7 +6,9 @@ one of k completions drawn without replacement is correct is (Chen et al., 2021,
     pass@k = 1 - C(n - c, k) / C(n, k)
 
 computed as a stable product. ``mean@k`` is the mean accuracy of the k samples (c / n), and
-``pass@1`` on greedy completions is the usual benchmark accuracy.
+``pass@1`` on greedy completions is the usual benchmark accuracy. ``maj@n`` (self-consistency,
+majority voting) is 1 when the most frequent answer among the n samples is right
+(`majority_vote`).
 """
 
 from __future__ import annotations
@@ -30,9 +32,34 @@ def pass_at_k(n: int, c: int, k: int) -> float:
     return 1.0 - prob_all_wrong
 
 
+def majority_vote(correct: Sequence[bool], answers: Sequence[str | None]) -> float:
+    """maj@n of one problem: whether the most frequent of its n sampled answers is right.
+
+    The right samples are one vote (the grader found each equal to the gold, so they are equal to
+    each other whatever their spelling: ``0.5`` and ``\\frac{1}{2}``); wrong ones vote by their
+    extracted answer with blanks removed, and a sample without an answer does not vote. A tie with a
+    wrong answer counts as the chance of winning it by a coin flip (1 / number of tied answers).
+    """
+    if len(correct) != len(answers):
+        raise ValueError(f"{len(correct)} correctness flags for {len(answers)} answers")
+    right = sum(bool(c) for c in correct)
+    wrong: dict[str, int] = {}
+    for ok, answer in zip(correct, answers):
+        if not ok and answer is not None and "".join(answer.split()):
+            key = "".join(answer.split())
+            wrong[key] = wrong.get(key, 0) + 1
+    if right == 0:
+        return 0.0
+    top_wrong = max(wrong.values(), default=0)
+    if right != top_wrong:
+        return float(right > top_wrong)
+    return 1.0 / (1 + sum(1 for v in wrong.values() if v == top_wrong))
+
+
 class PassAtK(Metric):
     """Accumulates per-problem correctness and reports ``pass@1`` (greedy), ``mean@n`` (the mean
-    accuracy of the n samples) and ``pass@k`` (unbiased estimator from n samples) for each k.
+    accuracy of the n samples), ``pass@k`` (unbiased estimator from n samples) for each k, and
+    ``maj@n`` (majority voting over the n samples) when `update` is given the votes.
 
     Args:
         k: samples per problem, n (0 = greedy only).
@@ -58,9 +85,16 @@ class PassAtK(Metric):
         self.add_state("sampled_mean", default=zero.clone(), dist_reduce_fx="sum")
         self.add_state("sampled_pass", default=torch.zeros(len(self.pass_k), dtype=torch.float64), dist_reduce_fx="sum")
         self.add_state("problems", default=zero.clone(), dist_reduce_fx="sum")
+        self.add_state("majority", default=zero.clone(), dist_reduce_fx="sum")
+        self.add_state("voted", default=zero.clone(), dist_reduce_fx="sum")  # problems with maj@n scores
 
-    def update(self, greedy_correct: torch.Tensor, sampled_correct: torch.Tensor | None = None) -> None:
-        """``greedy_correct``: (P,) 0/1; ``sampled_correct``: (P, n) 0/1, or None when n = 0."""
+    def update(self, greedy_correct: torch.Tensor, sampled_correct: torch.Tensor | None = None,
+               majority: torch.Tensor | None = None) -> None:
+        """``greedy_correct``: (P,) 0/1; ``sampled_correct``: (P, n) 0/1, or None when n = 0;
+        ``majority``: (P,) each problem's `majority_vote`, or None (no ``maj@n`` reported)."""
+        if majority is not None and self.k > 1:
+            self.majority += majority.double().sum()
+            self.voted += majority.numel()
         self.greedy_correct += greedy_correct.double().sum()
         self.problems += greedy_correct.numel()
         if sampled_correct is not None and self.k > 0:
@@ -78,4 +112,6 @@ class PassAtK(Metric):
             out[f"mean@{self.k}"] = self.sampled_mean / p
             for j, k in enumerate(self.pass_k):
                 out[f"pass@{k}"] = self.sampled_pass[j] / p
+        if self.k > 1 and self.voted > 0:
+            out[f"maj@{self.k}"] = self.majority / self.voted
         return out

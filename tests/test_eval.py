@@ -75,6 +75,33 @@ def test_pass_at_1_stays_greedy_and_pass_k_from_more_samples():
             PassAtK(k=4, pass_k=bad)
 
 
+@pytest.mark.parametrize("correct, answers, expected", [
+    ([1, 1, 0, 0, 0], ["0.5", "\\frac{1}{2}", "3", "3", "4"], 0.5),  # the right spellings are one vote: 2 vs 2 -> coin
+    ([1, 1, 0, 0, 0], ["0.5", "1/2", "3", "4", "5"], 1.0),  # 2 vs 1 each
+    ([1, 0, 0, 0], ["2", "3", " 3", "3 "], 0.0),  # blanks do not split a wrong answer
+    ([1, 0, 0, 0], ["2", None, None, ""], 1.0),  # no answer is no vote
+    ([1, 1, 0, 0, 0, 0], ["2", "2", "3", "3", "4", "4"], 1 / 3),  # a three-way tie
+    ([0, 0], ["3", "4"], 0.0),
+    ([1, 1], ["2", "2"], 1.0),
+])
+def test_majority_vote(correct, answers, expected):
+    from qerl.metrics import majority_vote
+
+    assert majority_vote(correct, answers) == pytest.approx(expected)
+
+
+def test_maj_at_n_from_records_and_the_metric():
+    """maj@n needs n >= 2 and every row's sampled answers (older reports without them: no maj@n)."""
+    from lightning_modules.evaluation import metrics_from_records
+
+    rows = [{"index": 0, "correct": True, "sampled_correct": [1, 0, 0], "sampled_extracted": ["7", "8", "8"]},
+            {"index": 1, "correct": False, "sampled_correct": [1, 1, 0], "sampled_extracted": ["7", "7.0", "9"]}]
+    assert metrics_from_records(rows, samples=3, pass_k=None)["maj@3"] == pytest.approx(0.5)
+    assert "maj@3" not in metrics_from_records([{**r, "sampled_extracted": None} for r in rows], samples=3, pass_k=None)
+    one = [{"index": 0, "correct": True, "sampled_correct": [1], "sampled_extracted": ["7"]}]
+    assert "maj@1" not in metrics_from_records(one, samples=1, pass_k=None)
+
+
 def test_merge_records_of_ranks_keeps_each_problem_once_in_order():
     from lightning_modules.evaluation import merge_records
 
@@ -115,7 +142,7 @@ def test_validate_on_quickstart_logs_pass_at_1_and_writes_report(tmp_path, monke
                     "The 'val_dataloader' does not have many workers which may be a bottleneck."):
         assert any(f[0] == "ignore" and f[1] is not None and f[1].match(message) for f in warnings.filters), message
     logged = cli.trainer.callback_metrics
-    for key in ("val/arithmetic/pass@1", "val/arithmetic/mean@2", "val/arithmetic/pass@2"):
+    for key in ("val/arithmetic/pass@1", "val/arithmetic/mean@2", "val/arithmetic/maj@2", "val/arithmetic/pass@2"):
         assert key in logged and math.isfinite(float(logged[key]))
     assert cli.model.noisy_norms is None or not cli.model.noisy_norms.active
     report = json.loads(next(Path(cli.trainer.log_dir).glob("eval/val_step0.json")).read_text())
@@ -297,8 +324,8 @@ def test_report_columns_in_reading_order():
     """The markdown table: pass@1 (greedy) first, then mean@n, then pass@k by k, not as text."""
     from lightning_modules.evaluation import _column_order
 
-    assert sorted(["pass@16", "mean@16", "pass@2", "pass@1", "pass@4"], key=_column_order) == [
-        "pass@1", "mean@16", "pass@2", "pass@4", "pass@16"]
+    assert sorted(["pass@16", "mean@16", "pass@2", "maj@16", "pass@1", "pass@4"], key=_column_order) == [
+        "pass@1", "mean@16", "maj@16", "pass@2", "pass@4", "pass@16"]
 
 
 @pytest.mark.parametrize("bad", [dict(temperature=float("nan")), dict(temperature=float("inf")),
