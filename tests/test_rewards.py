@@ -644,3 +644,29 @@ def test_math_accuracy_answer_tag_scores_only_the_last_answer_span():
     assert reward(["the answer is 4"], ["4"]) == [0.0]  # no tag
     assert MathAccuracy()(["<think>x</think><answer>4</answer>"], ["4"]) == [1.0]  # without the option: the tail
     assert extract_answer("<think>1 2 3</think><answer> 42 </answer>") == "42"  # the logged answer
+
+
+@pytest.mark.parametrize("completion", [
+    "#### $" + " " * 100_000 + "x", "#### x = $" + " " * 100_000 + "!", "#### -" + " " * 100_000 + "x",
+    "\\boxed{\\text{$" + " " * 100_000 + "x}}", "\\boxed{1" + " " * 100_000 + "a}",
+])
+def test_runs_of_spaces_do_not_backtrack(completion):
+    """Two optional-whitespace runs side by side in a regex split a run of spaces every way (#### $ +
+    20k spaces took 51 s in the answer-line regex, in C, where no deadline reaches): all linear now."""
+    from qerl.math_parsing import strip_end_punctuation
+
+    start = time.monotonic()
+    assert MathAccuracy(max_chars=200_000)([completion], ["5"]) == [0.0]
+    extract_answer(completion)
+    strip_end_punctuation("1" + " " * 100_000 + ".")
+    assert time.monotonic() - start < 10  # (was minutes to hours; linear: ~0.1 s)
+
+
+@pytest.mark.parametrize("text, expected", [
+    ("18.", "18"), ("18 .", "18"), ("18,", "18"), ("0.33...", "0.33..."), ("18, ...", "18, ..."),
+    ("x. .", "x. "), ("18", "18"), ("", ""), (".", ""),
+])
+def test_strip_end_punctuation(text, expected):
+    from qerl.math_parsing import strip_end_punctuation
+
+    assert strip_end_punctuation(text) == expected
