@@ -23,7 +23,9 @@ REQUIRED_SCALARS = [
 
 
 def fast_args(tmp_path, steps, extra=(), schedule="cosine"):
-    """The quickstart YAML, shortened (fewer prompts and tokens), with output under tmp_path."""
+    """The quickstart YAML, shortened (fewer prompts and tokens), with output under tmp_path. With
+    ``schedule="constant"`` neither the LR nor the AQN noise depends on ``max_steps`` (the AQN stages
+    are laid out over 20 steps), so "2 steps + resume to 4" and "4 steps" run the same schedule."""
     cfg = yaml.safe_load(Path(QUICKSTART).read_text())
     cfg["trainer"].update(max_steps=steps, enable_progress_bar=False)
     cfg["trainer"]["logger"]["init_args"]["save_dir"] = f"{tmp_path}/logs"
@@ -31,6 +33,8 @@ def fast_args(tmp_path, steps, extra=(), schedule="cosine"):
         args = cb.setdefault("init_args", {})
         if cb["class_path"].endswith("ModelCheckpoint"):
             args.update(dirpath=f"{tmp_path}/ckpt", every_n_train_steps=1)
+        if cb["class_path"].endswith("AQNCallback") and schedule == "constant":
+            args["controller"].setdefault("init_args", {})["max_steps"] = 20
         if cb["class_path"].endswith("RolloutCallback"):
             args["sampling"]["max_new_tokens"] = 12
             args.update(overlong_buffer=12, log_completions_every_n_steps=1)
@@ -109,8 +113,8 @@ def test_gpu_quickstart_cli(tmp_path, monkeypatch, extra):
 def test_checkpoint_holds_only_trainable_params_and_resume_matches_straight_run(dropout, tmp_path, monkeypatch):
     """With LoRA dropout the global generator matters too: the checkpoint carries it."""
     monkeypatch.chdir(tmp_path)
-    # A constant LR: the cosine schedule spans max_steps, which differs between a 2-step and a
-    # 4-step run by design, so only a constant schedule makes "2 + resume 2" comparable to "4".
+    # A constant LR and AQN stages over a fixed 20 steps: the cosine schedule and the stages span
+    # max_steps, which differs between a 2-step and a 4-step run by design.
     extra = [f"--model.lora.dropout={dropout}"]
     straight = main(["fit", *fast_args(tmp_path / "a", 4, extra, schedule="constant")])
     final_straight = {n: p.detach().clone() for n, p in straight.model.model.named_parameters() if p.requires_grad}

@@ -233,6 +233,8 @@ def test_ddp_resume_matches_straight_run(tmp_path, monkeypatch, accelerator, dty
             for cb in cfg["trainer"]["callbacks"]:
                 if cb["class_path"].endswith("RolloutCallback"):
                     cb["init_args"]["reward"] = {"class_path": "rngreward.RankDrawsReward"}
+                if cb["class_path"].endswith("AQNCallback"):  # the AQN stages span max_steps too
+                    cb["init_args"]["controller"].setdefault("init_args", {})["max_steps"] = 20
             cfg["trainer"]["callbacks"].insert(0, {
                 "class_path": "lightning.pytorch.callbacks.ModelCheckpoint",
                 "init_args": {"dirpath": str(tmp_path / run / "ckpt"), "save_last": True, "every_n_train_steps": 1}})
