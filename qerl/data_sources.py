@@ -165,22 +165,61 @@ def _pick_split(ds: Any, split: str, name: str) -> Any:
     return ds
 
 
+# Names `datasets` reads as a split (`train.jsonl`, `test-00000-of-00001.parquet`, `validation_1.json`).
+_SPLIT_NAMED = re.compile(r"(train|training|test|testing|eval|evaluation|valid|validation|dev)(?:[-._ 0-9].*)?",
+                          re.IGNORECASE)
+
+
 def _read_directory(path: Path, split: str, config: str | None = None) -> Iterator[_RawRow]:
+    """``<dir>/<split>.{jsonl,json,parquet}``; else a ``save_to_disk`` folder; else data files at the
+    top level whose names are no split (``a.jsonl``, ``b.parquet``): all of them, in name order, as
+    the ``train`` split, each through our own readers (a malformed row is a skipped row, and mixed
+    file types all count: ``datasets`` read only one type and failed on one bad line); else a Hub
+    repo layout through ``datasets.load_dataset``, whose errors name the folder."""
+    saved = False
+    if config is None:
+        for suffix in LOCAL_SUFFIXES:
+            candidate = path / f"{split}{suffix}"
+            if candidate.is_file():
+                yield from _read_file(candidate)
+                return
+        saved = (path / "dataset_dict.json").is_file() or (path / "state.json").is_file()
+        files = sorted(f for f in path.iterdir() if f.is_file() and f.suffix.lower() in LOCAL_SUFFIXES)
+        if not saved and files and not any(_SPLIT_NAMED.fullmatch(f.stem) for f in files):
+            if split != "train":
+                raise ValueError(f"{path}: no {split!r} split (its data files, {files[0].name}"
+                                 f"{' ...' if len(files) > 1 else ''}, are one training set; give the file, or name "
+                                 f"it {split}.jsonl)")
+            for f in files:
+                yield from _read_file(f)
+            return
     import datasets
 
-    if config is not None:  # a downloaded multi-config dataset repo (`gsm8k/:main`)
-        yield from _read_table(datasets.load_dataset(str(path), config, split=split), f"{path}:{config}")
-        return
-    for suffix in LOCAL_SUFFIXES:
-        candidate = path / f"{split}{suffix}"
-        if candidate.is_file():
-            yield from _read_file(candidate)
-            return
-    if (path / "dataset_dict.json").is_file() or (path / "state.json").is_file():
-        ds = _pick_split(datasets.load_from_disk(str(path)), split, str(path))
-    else:
-        ds = datasets.load_dataset(str(path), split=split)
-    yield from _read_table(ds, str(path))
+    try:
+        if config is not None:  # a downloaded multi-config dataset repo (`gsm8k/:main`)
+            ds = datasets.load_dataset(str(path), config, split=split)
+        elif saved:
+            ds = _pick_split(datasets.load_from_disk(str(path)), split, str(path))
+        else:
+            ds = datasets.load_dataset(str(path), split=split)
+    except ValueError as err:
+        if str(path) in str(err):
+            raise
+        raise ValueError(f"{path}{':' + config if config else ''}: {_first_line(err)}") from err
+    except Exception as err:  # noqa: BLE001 (datasets' DatasetGenerationError on a malformed file, ...)
+        raise ValueError(f"{path}{':' + config if config else ''}: datasets could not load it "
+                         f"({type(err).__name__}: {_first_line(err)}{_cause(err)})") from err
+    yield from _read_table(ds, f"{path}:{config}" if config else str(path))
+
+
+def _first_line(err: BaseException) -> str:
+    return (str(err).strip().splitlines() or [""])[0]
+
+
+def _cause(err: BaseException) -> str:
+    """What a wrapping exception hides (datasets' "An error occurred while generating the dataset")."""
+    cause = err.__cause__ or err.__context__
+    return f"; {type(cause).__name__}: {_first_line(cause)}" if cause is not None and str(cause) else ""
 
 
 def _read_file(path: Path) -> Iterator[_RawRow]:
@@ -211,9 +250,8 @@ def _read_hub(source: str, split: str) -> Iterator[_RawRow]:
     try:
         ds = datasets.load_dataset(dataset_id, config or None, split=split)
     except Exception as err:  # offline, unknown id, or a local path that does not exist
-        first_line = (str(err).strip().splitlines() or [""])[0]
         raise FileNotFoundError(f"data source {source!r}: no such local file or directory, and loading it as a "
-                                f"Hugging Face dataset failed ({type(err).__name__}: {first_line})") from err
+                                f"Hugging Face dataset failed ({type(err).__name__}: {_first_line(err)})") from err
     yield from _read_table(_pick_split(ds, split, source), source)
 
 

@@ -752,6 +752,24 @@ def test_a_prompt_that_is_not_text_is_a_skipped_row(tmp_path, caplog):
     assert "prompt field 'question' is not text (int 5)" in caplog.text
 
 
+def test_a_folder_of_data_files_reads_every_file_and_skips_bad_rows(tmp_path, caplog):
+    """Files that name no split are one training set, each read by our readers: a malformed line is
+    a skipped row (datasets failed the whole load on it) and mixed types all count (it read one)."""
+    datasets = pytest.importorskip("datasets")
+    folder = tmp_path / "mixed"
+    folder.mkdir()
+    write_jsonl(folder / "a.jsonl", [GSM8K_ROWS[0], '{"question": "broken", "answer": "#### 2"'])
+    datasets.Dataset.from_list(GSM8K_ROWS[1:]).to_parquet(str(folder / "b.parquet"))
+    with caplog.at_level(logging.WARNING, logger="qerl.data"):
+        loaded = load_examples(str(folder))
+    assert [e.answer for e in loaded] == ["72", "1080", "-3"] and loaded.num_skipped == 1
+    assert "a.jsonl:2" in caplog.text
+    with pytest.raises(ValueError, match="mixed: no 'test' split .*one training set"):
+        load_examples(str(folder), split="test")
+    with pytest.raises(ValueError, match="mixed:main: .*'main'"):  # datasets' errors name the folder
+        load_examples(f"{folder}:main")
+
+
 def test_several_training_sources_are_shuffled_together(tmp_path, tokenizer):
     """A list of training sources: each loads with its own layout (GSM8K and MATH rows here),
     num_train_examples per source, one stream over all of them."""
