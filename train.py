@@ -109,7 +109,7 @@ def check_ckpt_path(subcommand: str, ckpt_path: str | None, dirs: list[str]) -> 
     if ckpt_path == "last":
         last = last_checkpoint(dirs)
         if last is not None:
-            _check_checkpoint_file(last, f"--ckpt_path last ({last}, the newest last*.ckpt)")
+            _check_checkpoint_file(last, f"--ckpt_path last ({last}, the newest last*.ckpt)", subcommand)
         elif subcommand == "fit":
             return
         elif not dirs:  # Lightning would find no `last` and evaluate the untrained model
@@ -121,12 +121,14 @@ def check_ckpt_path(subcommand: str, ckpt_path: str | None, dirs: list[str]) -> 
         return
     if "://" not in ckpt_path and not os.path.exists(ckpt_path):  # (a URL is Lightning's to fetch)
         raise ValueError(f"--ckpt_path {ckpt_path}: no such file (before the model loads, not after)")
-    _check_checkpoint_file(ckpt_path, f"--ckpt_path {ckpt_path}")
+    _check_checkpoint_file(ckpt_path, f"--ckpt_path {ckpt_path}", subcommand)
 
 
-def _check_checkpoint_file(path: str, label: str) -> None:
+def _check_checkpoint_file(path: str, label: str, subcommand: str) -> None:
     """``label`` (the option, and for ``last`` the file it names) in a ValueError when ``path`` is a
-    directory or a file that is not a readable Lightning checkpoint; a URL is left to Lightning."""
+    directory or a file that is not a readable Lightning checkpoint, or, for ``fit``, one saved with
+    ``save_weights_only`` (no optimizer or loop state to resume; validate / test can use it); a URL
+    is left to Lightning."""
     if os.path.isdir(path):
         raise ValueError(f"{label} is a directory: name a .ckpt file (or last)")
     if os.path.isfile(path):
@@ -138,6 +140,10 @@ def _check_checkpoint_file(path: str, label: str) -> None:
         if not isinstance(ckpt, dict) or not {"state_dict", "pytorch-lightning_version"} <= set(ckpt):
             raise ValueError(f"{label} is not a Lightning checkpoint (no state_dict and "
                              "pytorch-lightning_version: a torch.save file of something else?)")
+        if subcommand == "fit" and "optimizer_states" not in ckpt:
+            raise ValueError(f"{label} holds weights only (ModelCheckpoint save_weights_only): no optimizer or "
+                             "loop state to resume from; validate / test take it, and model.adapter_path takes "
+                             "`python -m qerl.export --format adapter --adapter <file>` of it to start a new run")
 
 
 class QeRLCLI(LightningCLI):

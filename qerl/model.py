@@ -27,6 +27,7 @@ from typing import Literal
 
 import torch
 import torch.nn as nn
+from safetensors import SafetensorError
 from transformers import (AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase,
                           PreTrainedTokenizerFast)
 
@@ -55,9 +56,9 @@ def _parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
     return table[dtype]
 
 
-# What a bad model path, a corrupt or truncated .gguf or an unreadable folder raises inside
-# transformers (struct.error: a GGUF header cut short); reported as one line by _load_error.
-_LOAD_ERRORS = (OSError, ValueError, RuntimeError, KeyError, struct.error)
+# What a bad model path, a corrupt or truncated .gguf / .safetensors or an unreadable folder raises
+# inside transformers (struct.error: a GGUF header cut short); reported as one line by _load_error.
+_LOAD_ERRORS = (OSError, ValueError, RuntimeError, KeyError, struct.error, SafetensorError)
 
 
 def _load_error(name_or_path: str, err: Exception) -> ValueError:

@@ -177,6 +177,11 @@ def test_unusable_ckpt_paths_fail_before_the_run(tmp_path, monkeypatch):
     torch.save({"weights": torch.ones(2)}, tmp_path / "other.ckpt")  # readable, not Lightning's
     with pytest.raises(ValueError, match="other.ckpt is not a Lightning checkpoint"):
         check_ckpt_path("validate", str(tmp_path / "other.ckpt"), [])
+    # save_weights_only: validate / test take it, a resume cannot (Lightning's KeyError, a traceback)
+    torch.save({"state_dict": {}, "pytorch-lightning_version": "2.6.6", "global_step": 2}, tmp_path / "weights.ckpt")
+    check_ckpt_path("validate", str(tmp_path / "weights.ckpt"), [])
+    with pytest.raises(ValueError, match="weights.ckpt holds weights only .*save_weights_only"):
+        check_ckpt_path("fit", str(tmp_path / "weights.ckpt"), [])
 
 
 def test_sigterm_stops_after_the_batch_and_saves_last(tmp_path, monkeypatch):
