@@ -17,6 +17,7 @@ from lightning_modules.checkpointing import TrainingDiverged
 from lightning_modules.data import PromptDataModule
 from lightning_modules.evaluation import claim_unused_path
 from lightning_modules.qerl_module import QeRLModule
+from qerl.rollout.base import NonFiniteLogits
 
 
 _UNION_LIST = re.compile(r"Does not validate against any of the Union subtypes Subtypes: .*? Errors: - ")
@@ -231,7 +232,8 @@ def cli_entry() -> None:
                                               "last checkpoints): resume with --ckpt_path last" if fit else ""),
                       file=sys.stderr)
         sys.exit(143)
-    except (ValueError, OSError, ModuleNotFoundError, MisconfigurationException, TrainingDiverged) as err:
+    except (ValueError, OSError, ModuleNotFoundError, MisconfigurationException, TrainingDiverged,
+            NonFiniteLogits) as err:
         if os.environ.get("QERL_TRACEBACK", "0") == "1":
             raise
         hint = ("; this config runs on a GPU (--trainer.accelerator cpu runs it here, slowly)"

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
+import math
 import sys
 import time
 from typing import Literal
@@ -115,6 +116,8 @@ class RolloutCallback(L.Callback):
         if not 0 <= overlong_buffer <= sampling.max_new_tokens:
             raise ValueError(f"RolloutCallback: overlong_buffer must be in [0, sampling.max_new_tokens="
                              f"{sampling.max_new_tokens}], got {overlong_buffer}")
+        if not (overlong_penalty >= 0 and math.isfinite(overlong_penalty)):  # NaN skipped every update; < 0 pays length
+            raise ValueError(f"RolloutCallback: overlong_penalty must be >= 0 and finite, got {overlong_penalty}")
         self.reward = reward or MathAccuracy()
         self.group_size = group_size
         self.sampling = sampling

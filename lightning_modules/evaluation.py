@@ -25,7 +25,7 @@ from qerl.metrics import PassAtK, majority_vote
 from qerl.model import base_model_only
 from qerl.rewards import MathAccuracy, extract_answer
 from qerl.rollout import SamplingSettings
-from qerl.rollout.base import derive_seed
+from qerl.rollout.base import MIN_TEMPERATURE, derive_seed
 from qerl.settings_checks import require_numbers
 
 
@@ -87,6 +87,8 @@ class EvalSettings:
         # first validation, after the training steps before it)
         if not (self.temperature >= 0 and math.isfinite(self.temperature)):
             raise ValueError(f"model.eval.temperature must be >= 0 and finite, got {self.temperature}")
+        if 0 < self.temperature < MIN_TEMPERATURE:  # (logits / T overflows fp32)
+            raise ValueError(f"model.eval.temperature must be 0 or >= {MIN_TEMPERATURE:g}, got {self.temperature}")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"model.eval.top_p must be in (0, 1], got {self.top_p}")
         PassAtK(self.samples, self.pass_k)  # a bad pass_k: its own message

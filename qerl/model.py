@@ -316,6 +316,14 @@ def base_model_only(model: nn.Module):
                 params[name].data = value
 
 
+def refuse_non_finite_base(model: nn.Module, name_or_path: str) -> None:
+    """One line when a dense weight of the base holds NaN / inf (the quantizers refuse theirs as they
+    pack them): otherwise the first rollout fails on non-finite logits, blaming the policy."""
+    for name, p in model.named_parameters():
+        if type(p) is nn.Parameter and p.is_floating_point() and not bool(torch.isfinite(p).all()):
+            raise ValueError(f"model {name_or_path!r}: {name} holds NaN / inf values (a broken checkpoint?)")
+
+
 def load_policy(
     name_or_path: str,
     quantization: Quantization = "nvfp4",
@@ -337,6 +345,7 @@ def load_policy(
         model.to(device)
     else:
         raise ValueError(f"unknown quantization {quantization!r}; use 'bf16', 'nf4' or 'nvfp4'")
+    refuse_non_finite_base(model, name_or_path)
     if lora is not None:
         model = add_lora(model, lora)
     sizes, counts = base_weight_bytes(model), count_parameters(model)

@@ -319,6 +319,9 @@ def test_group_of_one_or_bad_batch_settings_fail_at_construction():
         RolloutCallback(group_size=1)  # every advantage would be 0: only a KL term would train
     with pytest.raises(ValueError, match="max_batch_size must be >= 1 and max_refill_rounds in 0..15, got 0 and 2"):
         RolloutCallback(max_batch_size=0)
+    for bad in (float("nan"), float("inf"), -5.0):  # NaN skipped every update; a negative one pays for length
+        with pytest.raises(ValueError, match="overlong_penalty must be >= 0 and finite"):
+            RolloutCallback(overlong_penalty=bad)
 
 
 def test_a_resume_with_other_rollout_settings_warns():

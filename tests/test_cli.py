@@ -346,6 +346,25 @@ def test_a_diverged_run_is_one_line_naming_the_step(tmp_path, monkeypatch, capsy
         "non-finite loss, from the weights this run started with (step 0): check the base model" in err[0], err
 
 
+def test_non_finite_logits_while_generating_are_one_line(tmp_path, monkeypatch, capsys):
+    """AQN noise of sigma 1e38 overflows the policy: the rollout's non-finite logits are one line
+    (exit 2), not a traceback."""
+    import train
+
+    monkeypatch.chdir(tmp_path)
+    args = fast_args(tmp_path, 2)
+    cfg = yaml.safe_load(Path(args[1]).read_text())
+    aqn = next(cb for cb in cfg["trainer"]["callbacks"] if cb["class_path"].endswith("AQNCallback"))
+    aqn["init_args"]["controller"] = {"class_path": "qerl.aqn.ConstantNoise", "init_args": {"sigma": 1e38}}
+    Path(args[1]).write_text(yaml.safe_dump(cfg))
+    monkeypatch.setattr("sys.argv", ["train.py", "fit", *args])
+    with pytest.raises(SystemExit) as code:
+        train.cli_entry()
+    assert code.value.code == 2
+    err = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
+    assert len(err) == 1 and "NonFiniteLogits: non-finite logits within the first" in err[0], err
+
+
 @pytest.mark.parametrize("arg, message", [
     ("--model.lora.rank=null", "model.lora.rank must be an integer, got null"),
     ("--model.lora.alpha=0", "model.lora.alpha must be > 0, got 0"),

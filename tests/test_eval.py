@@ -329,7 +329,8 @@ def test_report_columns_in_reading_order():
 
 
 @pytest.mark.parametrize("bad", [dict(temperature=float("nan")), dict(temperature=float("inf")),
-                                 dict(top_p=float("nan"))], ids=["temperature-nan", "temperature-inf", "top_p-nan"])
+                                 dict(top_p=float("nan")), dict(temperature=1e-40)],
+                         ids=["temperature-nan", "temperature-inf", "top_p-nan", "temperature-tiny"])
 def test_non_finite_eval_settings_fail_at_construction(bad):
     """`temperature < 0` is false for NaN: it failed only at the first validation, after training steps."""
     from lightning_modules.evaluation import EvalSettings

@@ -556,7 +556,8 @@ def test_non_finite_loss_settings_fail_at_construction(key, value):
 
 
 @pytest.mark.parametrize("bad", [dict(temperature=_NAN), dict(temperature=_INF), dict(top_p=_NAN), dict(top_k=-1),
-                                 dict(max_new_tokens=0), dict(min_p=_NAN), dict(min_p=1.5), dict(min_p=-0.1)],
+                                 dict(max_new_tokens=0), dict(min_p=_NAN), dict(min_p=1.5), dict(min_p=-0.1),
+                                 dict(temperature=1e-40)],
                          ids=lambda bad: f"{next(iter(bad))}={next(iter(bad.values()))}")
 def test_bad_sampling_settings_name_their_key(bad):
     """A NaN temperature passed `temperature < 0` and ended in torch.multinomial at the first rollout."""

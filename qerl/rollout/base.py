@@ -18,6 +18,16 @@ import torch
 from qerl.settings_checks import require_numbers
 
 
+# The smallest sampling temperature taken: below it the tempered distribution is greedy's to any
+# precision, and logits / T heads for fp32 overflow (1e-40 made every logit inf).
+MIN_TEMPERATURE = 1e-3
+
+
+class NonFiniteLogits(RuntimeError):
+    """An engine met NaN / inf logits while generating: the weights, the AQN noise or the sampling
+    settings make the policy non-finite. ``train.py`` prints it as one line."""
+
+
 @dataclass
 class SamplingSettings:
     """How completions are sampled.
@@ -43,6 +53,8 @@ class SamplingSettings:
         # torch.multinomial at the first rollout) and an infinite temperature is refused too
         if not (self.temperature >= 0 and math.isfinite(self.temperature)):
             raise ValueError(f"sampling.temperature must be >= 0 and finite (0: greedy), got {self.temperature}")
+        if 0 < self.temperature < MIN_TEMPERATURE:  # logits / 1e-40 overflow fp32: non-finite logits
+            raise ValueError(f"sampling.temperature must be 0 (greedy) or >= {MIN_TEMPERATURE:g}, got {self.temperature}")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"sampling.top_p must be in (0, 1] (1: off), got {self.top_p}")
         if not self.top_k >= 0:

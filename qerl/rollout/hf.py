@@ -30,8 +30,8 @@ import torch
 import torch.nn.functional as F
 
 from qerl.model import base_model_only
-from qerl.rollout.base import (Generation, RolloutEngine, SamplingSettings, pad_left, prompt_seeds, sample_inverse_cdf,
-                               sample_uniforms, stop_token_ids)
+from qerl.rollout.base import (Generation, NonFiniteLogits, RolloutEngine, SamplingSettings, pad_left, prompt_seeds,
+                               sample_inverse_cdf, sample_uniforms, stop_token_ids)
 from qerl.rollout.decoders import (  # noqa: F401 (cache_keyword, returned_cache, _packed_gqa_sdpa: re-exported)
     _DynamicDecoder, _packed_gqa_sdpa, _StaticDecoder, cache_keyword, packed_gqa_decode_attention, returned_cache)
 from qerl.rollout.fast_linears import fused_projections, lean_lora_forward
@@ -243,8 +243,8 @@ class HFEngine(RolloutEngine):
                 if last or (t + 1) % STOP_CHECK_EVERY == 0:
                     done = torch.stack([finished.all(), non_finite]).tolist()  # one sync
                     if done[1]:
-                        raise RuntimeError(f"non-finite logits within the first {t + 1} generated tokens: the "
-                                           "model's weights or the AQN noise hold NaN / inf")
+                        raise NonFiniteLogits(f"non-finite logits within the first {t + 1} generated tokens: "
+                                              "the policy's weights or the AQN noise hold NaN / inf, or overflow")
                     if last or done[0]:
                         break
                 logits_bf = decoder.step(nxt)
