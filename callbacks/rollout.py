@@ -328,9 +328,12 @@ class RolloutCallback(L.Callback):
         if logger is None:
             return
         cell = lambda s: str(s).replace("|", "\\|").replace("\n", "<br>")[:1000]  # noqa: E731
+        # the answer the accuracy reward compared with the gold, where there is one; else a best guess
+        scorer = next((r for r in [self.reward, *getattr(self.reward, "rewards", [])] if isinstance(r, MathAccuracy)), None)
+        extracted = scorer.scored_answer if scorer is not None else extract_answer
         rows = ["| prompt | completion | extracted | gold | reward |", "|---|---|---|---|---|"]
         for i in range(0, min(len(rollout.completions), self.num_to_log * self.group_size), self.group_size):
             rows.append(f"| {cell(rollout.prompts[i])} | {cell(rollout.completions[i])} | "
-                        f"{cell(extract_answer(rollout.completions[i]))} | {cell(rollout.answers[i])} | "
+                        f"{cell(extracted(rollout.completions[i]))} | {cell(rollout.answers[i])} | "
                         f"{float(rollout.rewards[i]):.3f} |")
         logger.experiment.add_text("completions", "\n".join(rows), global_step=step)

@@ -219,7 +219,7 @@ class EvaluationMixin:
         for i, text in enumerate(greedy_text):
             self._eval_records[name].append({
                 "index": batch["indices"][i] if "indices" in batch else None, "prompt": batch["prompts"][i],
-                "gold": answers[i], "completion": text, "extracted": extract_answer(text),
+                "gold": answers[i], "completion": text, "extracted": scorer.scored_answer(text),
                 "correct": bool(greedy_ok[i]), "finish": greedy.finish_reasons[i],
                 "sampled_correct": None if sampled_ok is None else sampled_ok[i].tolist(),
                 "sampled_extracted": None if sampled_answers is None else sampled_answers[i * s.samples:(i + 1) * s.samples],

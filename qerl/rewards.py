@@ -169,35 +169,65 @@ class MathAccuracy(RewardFunction):
                 raise RuntimeError("MathAccuracy: math-verify does not match \\boxed{1} with '1'; check its install")
             self._warmed_up = True
 
-    def score_one(self, completion: Any, gold: Any) -> float:
-        """Score one completion; never raises (errors and timeouts give 0.0)."""
-        if not isinstance(completion, str) or not isinstance(gold, str) or not gold.strip():
-            return 0.0
+    def _prediction(self, completion: Any) -> tuple[str, str | None, str] | None:
+        """What a completion is scored on: ``(text, boxed, pred_text)`` -- the normalised completion, its
+        last box's content (None without one) and the text math-verify parses -- or None when it
+        scores 0 whatever the gold (no box under ``boxed_only``, no answer tag, an over-long box)."""
+        if not isinstance(completion, str):
+            return None
         if self.answer_tag:
             completion = answer_tag_content(completion)
             if completion is None:
-                return 0.0
+                return None
         # Unicode digits as ASCII and zero-width characters gone (`\boxed{１２}`, `1\u200b2`), in the
         # completion and the gold alike: math-verify reads neither as 12.
-        completion, gold = normalize_digits(completion), normalize_digits(gold)
         # Replace rather than add, in the box, an unboxed answer and the gold alike: math-verify 0.9
         # reads `5\,000` as 5*0 = 0 and `5\,001` as 6.
-        text, gold = _DIGIT_SEP_RE.sub("", completion), _SPACE_SEP_RE.sub("", _DIGIT_SEP_RE.sub("", gold))
+        text = _DIGIT_SEP_RE.sub("", normalize_digits(completion))
         # The last box of the whole completion (linear time), as FormatReward and extract_answer read it:
         # a right box then a long ramble is right; a wrong one is not rescued by a later bare number.
         # Only what math-verify parses is capped (`limit`: the box, or the tail without one).
         limit = self.max_chars if self.max_chars > 0 else len(text)
         boxed = extract_boxed(text)
         if boxed is None and self.boxed_only:
-            return 0.0
+            return None
         if boxed is not None:  # a plain space as the separator, only in the answer itself (`\boxed{12 345}`)
             boxed = _SPACE_SEP_RE.sub("", boxed)
             if len(boxed) > limit:  # no answer is that long, and parsing it is what the cap prevents
-                return 0.0
+                return None
         # Re-box the extracted content so math-verify sees exactly the last box (its boxed regex
         # is brace-balanced) rather than whatever else the completion contains. Without a box, the
         # tail (answers sit at the end), with `−5` read as -5 as it is inside LaTeX.
         pred_text = "\\boxed{" + boxed + "}" if boxed is not None else normalize_minus(text[-limit:])
+        return text, boxed, pred_text
+
+    def scored_answer(self, completion: Any) -> str | None:
+        """The answer `score_one` compares with the gold, as text (for reports next to its verdict):
+        the last box's content, else what math-verify parsed from the answer tag, ``####`` line or
+        tail; None when nothing is scored or the parse fails or times out. Never raises."""
+        prediction = self._prediction(completion)
+        if prediction is None:
+            return None
+        _, boxed, pred_text = prediction
+        if boxed is not None:
+            return boxed
+        try:
+            parsed = _deadline(lambda: _parse_pred(pred_text, None), self.timeout_s)
+        except Exception:  # noqa: BLE001 - a report field, never a failure
+            return None
+        strings = [p for p in parsed if isinstance(p, str)]
+        return strings[-1] if strings else None
+
+    def score_one(self, completion: Any, gold: Any) -> float:
+        """Score one completion; never raises (errors and timeouts give 0.0)."""
+        if not isinstance(gold, str) or not gold.strip():
+            return 0.0
+        prediction = self._prediction(completion)
+        if prediction is None:
+            return 0.0
+        text, boxed, pred_text = prediction
+        limit = self.max_chars if self.max_chars > 0 else len(text)
+        gold = _SPACE_SEP_RE.sub("", _DIGIT_SEP_RE.sub("", normalize_digits(gold)))
 
         # a gold with unit words (`5 dollars`, `\text{5 cm}`: custom sets) is its number, as a
         # prediction's box is; math-verify alone reads `5 dollars` as 5*a*do*l*l*r*s

@@ -670,3 +670,17 @@ def test_strip_end_punctuation(text, expected):
     from qerl.math_parsing import strip_end_punctuation
 
     assert strip_end_punctuation(text) == expected
+
+
+@pytest.mark.parametrize("completion, answer", [
+    ("so \\boxed{1,000} apples", "1,000"),  # the last box, as scored
+    ("The answer is 7 or 8 or 9", "7"),  # math-verify's pick from the tail, not the whole phrase
+    ("$x = 4$ and $y = 9$", "x = 4 and y = 9"),
+    ("Rgjggggjgggjggg7q", None),  # nothing parsed: scored 0
+    ("#### 42", "42"),
+])
+def test_scored_answer_is_what_the_verdict_compared(completion, answer):
+    """Reports put this next to the verdict: extract_answer's guess ('7 or 8 or 9', '7' in 'gg7q')
+    disagreed with what math-verify scored."""
+    assert MathAccuracy().scored_answer(completion) == answer
+    assert MathAccuracy(boxed_only=True).scored_answer("no box 42") is None
