@@ -156,6 +156,13 @@ class ResumeMixin:
         for section, current in self._settings_sections().items():  # a section its config left out ran the defaults
             if section in saved and saved[section] is None:
                 saved[section] = _plain(type(current)())
+        trained_alpha = (saved.get("lora") or {}).get("alpha")
+        if trained_alpha is not None and self.lora_settings is not None and trained_alpha != self.lora_settings.alpha:
+            # not a setting to change: alpha / rank scales every adapter output, so the weights would
+            # give another model than the one trained (model.adapter_path refuses it the same way)
+            raise ValueError(f"the checkpoint's LoRA was trained with model.lora.alpha={trained_alpha}, this config has "
+                             f"{self.lora_settings.alpha}: the adapter's scale (alpha / rank) would change; set "
+                             f"model.lora.alpha={trained_alpha}")
         config = {**_plain(dict(self.hparams)), **self._resolved_settings()}
         fitting = self._trainer is None or self.trainer.state.fn == "fit"
         ignored = ("eval",) if fitting else _TRAINING_ONLY + ("eval",)  # validate / test: only what the weights are

@@ -230,7 +230,7 @@ def test_validate_a_checkpoint_is_labelled_with_its_step(tmp_path, monkeypatch):
     _, acc = scalars(f"{tmp_path}/val/logs")
     assert [e.step for e in acc.Scalars("val/arithmetic/pass@1")] == [2]
     # evaluating a checkpoint differently (other eval, loss or optimizer settings) is no difference in
-    # the weights: no warning; a LoRA setting that changes what the weights compute still warns
+    # the weights: no warning; a LoRA setting that changes how the weights compute still warns
     import warnings
 
     with warnings.catch_warnings(record=True) as record:
@@ -238,8 +238,12 @@ def test_validate_a_checkpoint_is_labelled_with_its_step(tmp_path, monkeypatch):
         main(["validate", *fast_args(tmp_path / "val2", 2, ["--ckpt_path", str(ckpt), "--model.eval.samples=3",
                                                             "--model.loss.kl_coef=0.5", "--model.optimizer.lr=0.5"])])
     assert not [w for w in record if "other model settings" in str(w.message)], [str(w.message) for w in record]
-    with pytest.warns(UserWarning, match=r"model.lora.alpha: 4 \(config\) vs 16"):
-        main(["validate", *fast_args(tmp_path / "val3", 2, ["--ckpt_path", str(ckpt), "--model.lora.alpha=4"])])
+    with pytest.warns(UserWarning, match=r"model.lora.compute_dtype: 'stored' \(config\) vs 'model'"):
+        main(["validate", *fast_args(tmp_path / "val3", 2, ["--ckpt_path", str(ckpt), "--model.lora.compute_dtype=stored"])])
+    # another alpha is another model (alpha / rank scales the adapter): refused, as model.adapter_path does
+    for sub in ("validate", "fit"):
+        with pytest.raises(ValueError, match="trained with model.lora.alpha=16, this config has 4"):
+            main([sub, *fast_args(tmp_path / "val4", 4, ["--ckpt_path", str(ckpt), "--model.lora.alpha=4"])])
 
 
 def test_hparam_differences_compares_nested_settings():
