@@ -1,6 +1,7 @@
 """Entry point: ``python train.py fit --config configs/quickstart.yaml`` (also validate / test,
 ``--print_config``, ``--ckpt_path last``). LightningCLI only: every knob lives in the YAML."""
 
+import argparse
 import glob
 import logging
 import math
@@ -147,6 +148,9 @@ def _check_checkpoint_file(path: str, label: str, subcommand: str) -> None:
                              "`python -m qerl.export --format adapter --adapter <file>` of it to start a new run")
 
 
+_NOT_OURS = ("optimizer", "lr_scheduler")
+
+
 class QeRLCLI(LightningCLI):
     """LightningCLI where the config is what runs, whichever ``--ckpt_path`` is given.
 
@@ -159,10 +163,20 @@ class QeRLCLI(LightningCLI):
     config section that is not a mapping and trainer values Lightning fails on only after a training
     step (``check_sections``, ``check_trainer_settings``), before anything is built."""
 
+    def add_arguments_to_parser(self, parser) -> None:
+        # Configs saved by earlier versions hold `optimizer: null` / `lr_scheduler: null` (Lightning's
+        # auto-configured options, now off): accepted there and hidden; a value is refused below
+        for key in _NOT_OURS:
+            parser.add_argument(f"--{key}", default=None, help=argparse.SUPPRESS)
+
     def parse_arguments(self, parser, args) -> None:
         super().parse_arguments(parser, args)
         subcommand = self.config.get("subcommand")  # (None under `main(run=False)`: the config is flat)
         config = self.config[subcommand] if subcommand else self.config
+        for key in _NOT_OURS:
+            if config.get(key) is not None:
+                raise ValueError(f"{key}: not used here: QeRLModule builds AdamW and its schedule from model.optimizer "
+                                 "(lr, betas, weight_decay, warmup_ratio, schedule: cosine | linear | constant)")
         check_sections(config)
         check_trainer_settings(config.get("trainer"))
 
@@ -208,6 +222,9 @@ def main(args=None, run: bool = True) -> LightningCLI:
         save_config_callback=SaveRunConfig,
         save_config_kwargs={"overwrite": True},  # (a logger's version_N folder is new; without one: SaveRunConfig)
         parser_class=QeRLParser,
+        # QeRLModule builds its own AdamW + schedule (model.optimizer, manual optimization): no top-level
+        # --optimizer / --lr_scheduler, which Lightning would ignore or apply to an empty parameter list
+        auto_configure_optimizers=False,
         args=args,
         run=run,
     )

@@ -346,6 +346,23 @@ def test_a_diverged_run_is_one_line_naming_the_step(tmp_path, monkeypatch, capsy
         "non-finite loss, from the weights this run started with (step 0): check the base model" in err[0], err
 
 
+def test_lightning_optimizer_options_are_refused_and_old_configs_still_parse(tmp_path, monkeypatch, capsys):
+    """--optimizer / --lr_scheduler (LightningCLI's auto-configured options) did nothing or failed on an
+    empty parameter list: refused in one line; configs saved with them null still run."""
+    import train
+
+    monkeypatch.chdir(tmp_path)
+    for option in ("--lr_scheduler=torch.optim.lr_scheduler.ConstantLR", "--optimizer=torch.optim.SGD"):
+        monkeypatch.setattr("sys.argv", ["train.py", "fit", *fast_args(tmp_path, 1), option])
+        with pytest.raises(SystemExit) as code:
+            train.cli_entry()
+        assert code.value.code == 2 and "not used here: QeRLModule builds AdamW" in capsys.readouterr().err
+    args = fast_args(tmp_path, 1)
+    Path(args[1]).write_text(Path(args[1]).read_text() + "optimizer: null\nlr_scheduler: null\n")
+    cli = main(args, run=False)
+    assert cli.config.get("optimizer") is None and cli.config.get("lr_scheduler") is None
+
+
 def test_non_finite_logits_while_generating_are_one_line(tmp_path, monkeypatch, capsys):
     """AQN noise of sigma 1e38 overflows the policy: the rollout's non-finite logits are one line
     (exit 2), not a traceback."""
