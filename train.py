@@ -82,6 +82,17 @@ def check_trainer_settings(trainer) -> None:
                          f"'DD:HH:MM:SS'), got {value}")
 
 
+def check_single_callbacks(config) -> None:
+    """One RolloutCallback and one AQNCallback per run (both hold checkpointed state: Lightning's
+    answer to two was a RuntimeError traceback when the Trainer was built)."""
+    callbacks = config.get("trainer", {}).get("callbacks") or []
+    for name in ("RolloutCallback", "AQNCallback"):
+        count = sum(str(getattr(cb, "class_path", "")).endswith(name) for cb in callbacks)
+        if count > 1:
+            raise ValueError(f"trainer.callbacks holds {count} {name}s: a run takes one (a YAML list and a "
+                             "--trainer.callbacks+= on the command line add up)")
+
+
 def checkpoint_dirs(config) -> list[str]:
     """The ``dirpath`` of every ModelCheckpoint in a parsed subcommand config (where ``last`` is); its
     sections are mappings (``QeRLCLI.parse_arguments`` checked them before ``_parse_ckpt_path`` runs)."""
@@ -179,6 +190,7 @@ class QeRLCLI(LightningCLI):
                                  "(lr, betas, weight_decay, warmup_ratio, schedule: cosine | linear | constant)")
         check_sections(config)
         check_trainer_settings(config.get("trainer"))
+        check_single_callbacks(config)
 
     def _parse_ckpt_path(self) -> None:
         subcommand = self.config.get("subcommand")

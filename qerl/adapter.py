@@ -343,6 +343,7 @@ def check_adapter_dir(adapter_dir: str | Path) -> None:
         if not any((adapter_dir / name).is_file() for name in ADAPTER_WEIGHT_FILES):
             raise ValueError(f"adapter {adapter_dir}: adapter_config.json but no {' or '.join(ADAPTER_WEIGHT_FILES)} "
                              "beside it (copied in part, or a save that did not finish?)")
+        _adapter_settings(adapter_dir)  # readable JSON (peft's own read is a JSONDecodeError without the file)
         return
     hint = "a peft adapter directory, as training writes to <log_dir>/adapter"
     if adapter_dir.is_file():
@@ -355,11 +356,22 @@ def check_adapter_dir(adapter_dir: str | Path) -> None:
     raise ValueError(f"adapter {adapter_dir}: no adapter_config.json there ({hint})")
 
 
+def _adapter_settings(adapter_dir: Path) -> dict:
+    """``adapter_dir/adapter_config.json`` as a dict; a ValueError naming the file when it is not one."""
+    config_file = adapter_dir / "adapter_config.json"
+    try:
+        saved = json.loads(config_file.read_text())
+    except (OSError, ValueError) as err:  # (JSONDecodeError is a ValueError without the file's name)
+        raise ValueError(f"adapter {adapter_dir}: adapter_config.json: unreadable ({err})") from err
+    if not isinstance(saved, dict):
+        raise ValueError(f"adapter {adapter_dir}: adapter_config.json: not a JSON object of LoRA settings")
+    return saved
+
+
 def _check_adapter_config(peft_model: nn.Module, adapter_dir: Path) -> None:
     """ValueError naming every LoRA setting where ``adapter_dir/adapter_config.json`` and the model differ."""
     check_adapter_dir(adapter_dir)
-    config_file = adapter_dir / "adapter_config.json"
-    saved = json.loads(config_file.read_text())
+    saved = _adapter_settings(adapter_dir)
     if not _is_peft(peft_model) or "default" not in getattr(peft_model, "peft_config", {}):
         raise ValueError(f"adapter {adapter_dir}: the model has no LoRA to load it into (set model.lora)")
     config = peft_model.peft_config["default"]

@@ -102,6 +102,11 @@ def _text_number(boxed: str) -> str | None:
     return m.group(1)
 
 
+def has_expression(parsed: list | tuple) -> bool:
+    """Whether a math-verify parse holds an expression (SymPy), not only the unparsed text."""
+    return any(isinstance(p, (Basic, MatrixBase)) for p in parsed)
+
+
 def _parse_pred(text: str, boxed: str | None = None) -> list:
     """Parse a prediction with math-verify's defaults (LaTeX with boxed priority, then plain
     expressions; rightmost match first). ``boxed`` is the (already normalised) box content that
@@ -127,7 +132,7 @@ def _parse_pred(text: str, boxed: str | None = None) -> list:
                 return parsed
         return math_verify.parse(text, parsing_timeout=None)
     parsed = math_verify.parse(text, parsing_timeout=None)
-    if not any(isinstance(p, (Basic, MatrixBase)) for p in parsed):
+    if not has_expression(parsed):
         if _LOOSE_BOX_RE.search(boxed):
             parsed = parsed + math_verify.parse(f"${boxed}$", parsing_timeout=None)
         bare = strip_end_punctuation(boxed)  # one sentence mark inside the box: `\boxed{18.}`

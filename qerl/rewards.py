@@ -40,7 +40,7 @@ from qerl.answers import (  # noqa: F401
     is_long_integer, long_integers_equal, normalize_digits, normalize_minus)
 from qerl.deadline import call_with_deadline as _deadline
 from qerl.math_parsing import (  # noqa: F401 (re-exported)
-    _DIGIT_SEP_RE, _SPACE_SEP_RE, _is_multi_valued, _parse_gold, _parse_pred, _text_number)
+    _DIGIT_SEP_RE, _SPACE_SEP_RE, _is_multi_valued, _parse_gold, _parse_pred, _text_number, has_expression)
 
 logger = logging.getLogger(__name__)
 _long_integer_warned = [False]  # (once per process: a data set's long golds would repeat it every step)
@@ -246,8 +246,11 @@ class MathAccuracy(RewardFunction):
         def run() -> bool:
             # verify() only treats a *list* as alternatives; a tuple would be one odd expression.
             gold_parsed = list(_parse_gold(gold_text))
-            if not gold_parsed:
-                return False
+            if not has_expression(gold_parsed):  # (`\frac{`): only a verbatim copy of it can match
+                _warn_limited(f"MathAccuracy: math-verify reads no expression in the gold answer {gold_text[:80]!r}: "
+                              "its completions will all score 0 unless they repeat it verbatim (fix or drop that row)")
+                if not gold_parsed:
+                    return False
             if math_verify.verify(gold_parsed, _parse_pred(pred_text, boxed), timeout_seconds=None):
                 return True
             # A multi-answer gold (`1, -2`, `3 \pm 2\sqrt{2}`) is often boxed one value at a time:

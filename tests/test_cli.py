@@ -363,6 +363,13 @@ def test_lightning_optimizer_options_are_refused_and_old_configs_still_parse(tmp
     assert cli.config.get("optimizer") is None and cli.config.get("lr_scheduler") is None
 
 
+@pytest.mark.parametrize("extra", ["callbacks.RolloutCallback", "callbacks.AQNCallback"])
+def test_a_second_stateful_callback_is_one_line(tmp_path, monkeypatch, extra):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ValueError, match=f"trainer.callbacks holds 2 {extra.split('.')[1]}s: a run takes one"):
+        main(["fit", *fast_args(tmp_path, 1), f"--trainer.callbacks+={extra}"])
+
+
 def test_non_finite_logits_while_generating_are_one_line(tmp_path, monkeypatch, capsys):
     """AQN noise of sigma 1e38 overflows the policy: the rollout's non-finite logits are one line
     (exit 2), not a traceback."""

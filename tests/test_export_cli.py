@@ -99,6 +99,8 @@ def _broken_copy(adapter: Path, out: Path, how: str) -> Path:
     shutil.copytree(adapter, out)
     if how == "missing":
         (out / "adapter_model.safetensors").unlink()
+    elif how == "adapter_config.json":
+        (out / how).write_text("{bad json")
     else:  # a header length far past the end of the file, as a truncated download leaves it
         (out / how).write_bytes(b"\xff" * 8 + b"{}")
     return out
@@ -106,10 +108,11 @@ def _broken_copy(adapter: Path, out: Path, how: str) -> Path:
 
 _BROKEN = [("missing", "adapter_config.json but no adapter_model.safetensors or adapter_model.bin beside it"),
            ("adapter_model.safetensors", "adapter_model.safetensors: unreadable ("),
-           (TRAINABLE_NORMS_FILE, f"{TRAINABLE_NORMS_FILE}: unreadable (")]
+           (TRAINABLE_NORMS_FILE, f"{TRAINABLE_NORMS_FILE}: unreadable ("),
+           ("adapter_config.json", "adapter_config.json: unreadable (Expecting property name")]
 
 
-@pytest.mark.parametrize("how, problem", _BROKEN, ids=["missing", "corrupt-lora", "corrupt-norms"])
+@pytest.mark.parametrize("how, problem", _BROKEN, ids=["missing", "corrupt-lora", "corrupt-norms", "corrupt-config"])
 def test_cli_names_a_missing_or_unreadable_adapter_file(tmp_path, capsys, monkeypatch, adapter_dir, how, problem):
     """No traceback and no hub lookup (peft takes a folder without adapter_model.* for a repo id): one
     error line naming the file; a missing one is found before the model loads."""
@@ -128,7 +131,7 @@ def test_cli_names_a_missing_or_unreadable_adapter_file(tmp_path, capsys, monkey
     assert not (tmp_path / "out").exists()
 
 
-@pytest.mark.parametrize("how, problem", _BROKEN, ids=["missing", "corrupt-lora", "corrupt-norms"])
+@pytest.mark.parametrize("how, problem", _BROKEN, ids=["missing", "corrupt-lora", "corrupt-norms", "corrupt-config"])
 def test_policy_refuses_a_missing_or_unreadable_adapter_file(tmp_path, adapter_dir, how, problem):
     """model.adapter_path (training, evaluation) goes through the same checks: a ValueError naming the file."""
     from qerl.adapter import check_adapter_dir, load_adapter_into

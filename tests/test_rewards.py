@@ -684,3 +684,12 @@ def test_scored_answer_is_what_the_verdict_compared(completion, answer):
     disagreed with what math-verify scored."""
     assert MathAccuracy().scored_answer(completion) == answer
     assert MathAccuracy(boxed_only=True).scored_answer("no box 42") is None
+
+
+def test_a_gold_without_an_expression_is_warned(caplog):
+    """`#### \\frac{` loads (it is text), but math-verify reads no expression in it: every completion
+    of that prompt scores 0 unless it repeats it verbatim -- now said, not silent."""
+    rewards_module._warn_state["last"] = 0.0
+    with caplog.at_level(logging.WARNING, logger="qerl.rewards"):
+        assert MathAccuracy()(["\\boxed{\\frac{1}{2}}"], ["\\frac{"]) == [0.0]
+    assert "reads no expression in the gold answer '\\\\frac{'" in caplog.text
