@@ -82,10 +82,16 @@ def check_trainer_settings(trainer) -> None:
                          f"'DD:HH:MM:SS'), got {value}")
 
 
+def _callbacks(config) -> list:
+    """``trainer.callbacks`` of a parsed subcommand config as a list (a YAML may give one mapping)."""
+    callbacks = config.get("trainer", {}).get("callbacks") or []
+    return list(callbacks) if isinstance(callbacks, (list, tuple)) else [callbacks]
+
+
 def check_single_callbacks(config) -> None:
     """One RolloutCallback and one AQNCallback per run (both hold checkpointed state: Lightning's
     answer to two was a RuntimeError traceback when the Trainer was built)."""
-    callbacks = config.get("trainer", {}).get("callbacks") or []
+    callbacks = _callbacks(config)
     for name in ("RolloutCallback", "AQNCallback"):
         count = sum(str(getattr(cb, "class_path", "")).endswith(name) for cb in callbacks)
         if count > 1:
@@ -96,7 +102,7 @@ def check_single_callbacks(config) -> None:
 def checkpoint_dirs(config) -> list[str]:
     """The ``dirpath`` of every ModelCheckpoint in a parsed subcommand config (where ``last`` is); its
     sections are mappings (``QeRLCLI.parse_arguments`` checked them before ``_parse_ckpt_path`` runs)."""
-    callbacks = config.get("trainer", {}).get("callbacks") or []
+    callbacks = _callbacks(config)
     return [str(cb.init_args.dirpath) for cb in callbacks if str(getattr(cb, "class_path", "")).endswith("Checkpoint")
             and getattr(getattr(cb, "init_args", None), "dirpath", None)]
 

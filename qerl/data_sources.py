@@ -165,9 +165,10 @@ def _pick_split(ds: Any, split: str, name: str) -> Any:
     return ds
 
 
-# Names `datasets` reads as a split (`train.jsonl`, `test-00000-of-00001.parquet`, `validation_1.json`).
-_SPLIT_NAMED = re.compile(r"(train|training|test|testing|eval|evaluation|valid|validation|dev)(?:[-._ 0-9].*)?",
-                          re.IGNORECASE)
+# Names `datasets` reads as a split: a split word at the start or after a separator, and before one or
+# the end (`train.jsonl`, `test-00000-of-00001.parquet`, `gsm8k_test.jsonl`, `data.val.json`).
+_SPLIT_NAMED = re.compile(r"(?:^|[-._ 0-9])(?:train|training|test|testing|eval|evaluation|valid|validation|dev|val)"
+                          r"(?:[-._ 0-9]|$)", re.IGNORECASE)
 
 
 def _read_directory(path: Path, split: str, config: str | None = None) -> Iterator[_RawRow]:
@@ -185,7 +186,7 @@ def _read_directory(path: Path, split: str, config: str | None = None) -> Iterat
                 return
         saved = (path / "dataset_dict.json").is_file() or (path / "state.json").is_file()
         files = sorted(f for f in path.iterdir() if f.is_file() and f.suffix.lower() in LOCAL_SUFFIXES)
-        if not saved and files and not any(_SPLIT_NAMED.fullmatch(f.stem) for f in files):
+        if not saved and files and not any(_SPLIT_NAMED.search(f.stem) for f in files):
             if split != "train":
                 raise ValueError(f"{path}: no {split!r} split (its data files, {files[0].name}"
                                  f"{' ...' if len(files) > 1 else ''}, are one training set; give the file, or name "

@@ -13,7 +13,7 @@ from functools import lru_cache
 import math_verify
 from sympy import Basic, MatrixBase
 
-from qerl.answers import answer_tag_content, hash_answer
+from qerl.answers import hash_answer
 
 
 @lru_cache(maxsize=4096)
@@ -39,7 +39,7 @@ _SPACE_SEP_RE = re.compile("(?<=\\d)[ \u00a0\u2009\u202f](?=\\d{3}(?!\\d))")
 _TEXT_MACROS = r"text|textrm|textbf|textnormal|mbox|hbox|mathrm"  # (one list: \text{} units and loose boxes)
 _TEXT_RE = re.compile(rf"\\(?:{_TEXT_MACROS})\s*\{{([^{{}}]*)\}}")
 # A whole `\text{}`-unwrapped box that is one number, optionally followed by unit words.
-_NUMBER_UNITS_RE = re.compile(r"\s*((?:\\?\$\s*)?[-+]?(?:\d[\d,]*(?:\.\d+)?|\.\d+))(?:\s+([A-Za-z][A-Za-z\s.]*))?")
+_NUMBER_UNITS_RE = re.compile(r"\s*((?:\\\$?\s*|\$\s*)?[-+]?(?:\d[\d,]*(?:\.\d+)?|\.\d+))(?:\s+([A-Za-z][A-Za-z\s.]*))?")
 # A box without LaTeX: one number, then words whose first has 3+ letters (`18 dollars`, `5 USD`;
 # not `3 x`, `2 pi`, which are algebra) and none of which is maths or a magnitude (`2 sin x`,
 # `4 factorial`, `3 million`, `5 less than x` are other answers than the number).
@@ -119,12 +119,11 @@ def _parse_pred(text: str, boxed: str | None = None) -> list:
     is parsed again without it. Only these: ``$5+$`` or ``$5 \\le$`` also parse to 5, and an
     unfinished box is not the number.
     A number in ``\\text{}`` with units (``\\text{18 dollars}``, a symbol ``18dollars`` to
-    math-verify) adds ``$18$`` likewise. Without a box, the last ``<answer>...</answer>`` or else the
-    line after the last ``####`` is parsed first, since a GSM8K-style solution's ``$<<4+2=6.00>>6.00`` spans would otherwise outrank it.
+    math-verify) adds ``$18$`` likewise. Without a box, the line after the last ``####`` is parsed
+    first, since a GSM8K-style solution's ``$<<4+2=6.00>>6.00`` spans would otherwise outrank it.
     """
     if boxed is None:
-        tail = answer_tag_content(text)  # R1-style `<answer>4</answer>`: math-verify finds nothing in the tags
-        tail = hash_answer(text) if tail is None or not tail.strip() else tail
+        tail = hash_answer(text)
         if tail is not None:
             parsed = (math_verify.parse(tail, parsing_timeout=None)  # (`-$5`: math-verify reads nothing)
                       or math_verify.parse(tail.replace("\\$", "").replace("$", ""), parsing_timeout=None))

@@ -189,6 +189,9 @@ class MathAccuracy(RewardFunction):
         # Only what math-verify parses is capped (`limit`: the box, or the tail without one).
         limit = self.max_chars if self.max_chars > 0 else len(text)
         boxed = extract_boxed(text)
+        if boxed is None and not self.boxed_only:  # an R1-style `<answer>` span is read as a box is
+            tagged = text if self.answer_tag else answer_tag_content(text)  # (answer_tag: text is the span)
+            boxed = tagged.strip() if tagged is not None and tagged.strip() else None
         if boxed is None and self.boxed_only:
             return None
         if boxed is not None:  # a plain space as the separator, only in the answer itself (`\boxed{12 345}`)

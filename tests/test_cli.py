@@ -370,6 +370,16 @@ def test_a_second_stateful_callback_is_one_line(tmp_path, monkeypatch, extra):
         main(["fit", *fast_args(tmp_path, 1), f"--trainer.callbacks+={extra}"])
 
 
+def test_callbacks_given_as_one_mapping_parse(tmp_path, monkeypatch):
+    """`trainer.callbacks:` may be one callback, not a list (the checks indexed it as a list)."""
+    monkeypatch.chdir(tmp_path)
+    args = fast_args(tmp_path, 1)
+    cfg = yaml.safe_load(Path(args[1]).read_text())
+    cfg["trainer"]["callbacks"] = next(cb for cb in cfg["trainer"]["callbacks"] if cb["class_path"].endswith("RolloutCallback"))
+    Path(args[1]).write_text(yaml.safe_dump(cfg))
+    main(args, run=False)
+
+
 def test_non_finite_logits_while_generating_are_one_line(tmp_path, monkeypatch, capsys):
     """AQN noise of sigma 1e38 overflows the policy: the rollout's non-finite logits are one line
     (exit 2), not a traceback."""

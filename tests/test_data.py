@@ -770,6 +770,17 @@ def test_a_folder_of_data_files_reads_every_file_and_skips_bad_rows(tmp_path, ca
         load_examples(f"{folder}:main")
 
 
+def test_a_folder_whose_file_names_hold_a_split_word_keeps_its_splits(tmp_path):
+    """`gsm8k_train.jsonl` + `gsm8k_test.jsonl`: datasets' split inference, not one training set
+    (the test rows would have leaked into training)."""
+    pytest.importorskip("datasets")
+    folder = tmp_path / "named"
+    folder.mkdir()
+    write_jsonl(folder / "gsm8k_train.jsonl", GSM8K_ROWS)
+    write_jsonl(folder / "gsm8k_test.jsonl", GSM8K_ROWS[:1])
+    assert len(load_examples(str(folder), split="train")) == 3 and len(load_examples(str(folder), split="test")) == 1
+
+
 def test_several_training_sources_are_shuffled_together(tmp_path, tokenizer):
     """A list of training sources: each loads with its own layout (GSM8K and MATH rows here),
     num_train_examples per source, one stream over all of them."""

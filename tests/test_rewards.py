@@ -637,7 +637,12 @@ def test_tag_format_reward(completion, opened, expected):
 
 
 def test_math_accuracy_answer_tag_scores_only_the_last_answer_span():
+    """The span is read as a box is (math-verify read a bare `2\\sqrt{113}` as 2, `\\pi` as nothing)."""
     reward = MathAccuracy(answer_tag=True)
+    for gold in ("\\sqrt{51}", "\\pi", "6 - 5i", "\\left( 3, \\frac{\\pi}{2} \\right)", "\\dfrac{14}{3}"):
+        assert reward([f"<think>work</think> <answer>{gold}</answer>"], [gold]) == [1.0], gold
+        assert MathAccuracy()([f"<think>work</think> <answer>{gold}</answer>"], [gold]) == [1.0], gold
+    assert reward(["<answer>2\\sqrt{113}</answer>"], ["2"]) == [0.0]  # not its leading number
     assert reward(["<think>maybe 5</think><answer>\\frac{1}{2}</answer>"], ["0.5"]) == [1.0]
     assert reward(["<think>it is \\boxed{4}</think><answer>5</answer>"], ["4"]) == [0.0]  # the box in the thought is not it
     assert reward(["<answer>3</answer> no, <answer>\\boxed{1,000}</answer>"], ["1000"]) == [1.0]
