@@ -198,6 +198,15 @@ class QeRLCLI(LightningCLI):
         check_trainer_settings(config.get("trainer"))
         check_single_callbacks(config)
 
+    def _prepare_subcommand_kwargs(self, subcommand: str) -> dict:
+        kwargs = super()._prepare_subcommand_kwargs(subcommand)
+        if subcommand in ("validate", "test") and kwargs.get("verbose", True):
+            # Lightning's results table lists every evaluation set's metrics under every dataloader's
+            # column; the module prints one row per set instead (the eval report's markdown table)
+            kwargs["verbose"] = False
+            self.model.print_eval_table = True
+        return kwargs
+
     def _parse_ckpt_path(self) -> None:
         subcommand = self.config.get("subcommand")
         if subcommand:

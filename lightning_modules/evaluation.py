@@ -153,6 +153,15 @@ def _column_order(metric: str) -> tuple:
     return (rank, int(k) if k.isdigit() else 0, metric)
 
 
+def results_table(results: dict[str, dict[str, float]]) -> list[str]:
+    """Markdown rows: one per dataset, its problem count and metrics (in `_column_order`) as percentages."""
+    keys = sorted({k for v in results.values() for k in v if k != "problems"}, key=_column_order)
+    lines = [f"| dataset | problems | {' | '.join(keys)} |", "|---|---|" + "---|" * len(keys)]
+    for name, values in results.items():
+        lines.append(f"| {name} | {values['problems']} | " + " | ".join(f"{100 * values[k]:.1f}%" for k in keys) + " |")
+    return lines
+
+
 class EvaluationMixin:
     """validation_step / test_step for ``QeRLModule`` (expects ``model``, ``tokenizer``, ``eval_settings``)."""
 
@@ -247,6 +256,9 @@ class EvaluationMixin:
                     self.log(f"{stage}/{name}/{key}", value, on_step=False, on_epoch=True, batch_size=1)
         if not self.trainer.sanity_checking:  # a few batches before fit: not a step-0 evaluation
             self._write_eval_report(stage, results, step)
+        if getattr(self, "print_eval_table", False) and self.trainer.is_global_zero:
+            # (validate / test: instead of Lightning's table, which lists every set under every dataloader)
+            print(f"{stage} at step {step} ({self._adapter_label()}):\n" + "\n".join(results_table(results)))
 
     def _adapter_label(self) -> str:
         """Which LoRA weights ran, for the report's header (the step alone does not tell a fresh LoRA
@@ -273,10 +285,7 @@ class EvaluationMixin:
                        "max_new_tokens": s.max_new_tokens, "samples": s.samples, "temperature": s.temperature,
                        "top_p": s.top_p, "adapter_path": getattr(self, "adapter_path", None), "metrics": results,
                        "completions": self._eval_records}, f, indent=1)
-        keys = sorted({k for v in results.values() for k in v if k != "problems"}, key=_column_order)
-        lines = [f"| dataset | problems | {' | '.join(keys)} |", "|---|---|" + "---|" * len(keys)]
-        for name, values in results.items():
-            lines.append(f"| {name} | {values['problems']} | " + " | ".join(f"{100 * values[k]:.1f}%" for k in keys) + " |")
+        lines = results_table(results)
         with open(stem + ".md", "w") as f:
             f.write(f"{self.model_name} ({self.quantization}, {self._adapter_label()}), "
                     f"step {step}; pass@1 is greedy, mean@n and pass@k from n = {s.samples} "

@@ -133,9 +133,13 @@ def test_metrics_count_each_problem_once_under_ddp_padding():
     assert thirds["mean@3"] == 1 / 3 and thirds["pass@2"] == 2 / 3
 
 
-def test_validate_on_quickstart_logs_pass_at_1_and_writes_report(tmp_path, monkeypatch):
+def test_validate_on_quickstart_logs_pass_at_1_and_writes_report(tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
     cli = main(["validate", *fast_args(tmp_path, 2)])
+    # one row per set on stdout (Lightning's table listed every set's metrics under every dataloader)
+    out = capsys.readouterr().out
+    assert "| dataset | problems | pass@1 | mean@2 | maj@2 | pass@2 |" in out and "| arithmetic | 8 |" in out
+    assert "Validate metric" not in out
     # the advice of Lightning's that does not apply here is silenced in validate too (DDP's sampler
     # warning: the gathered records count each problem once), as in fit
     for message in ("Using `DistributedSampler` with the dataloaders. During `trainer.validate()`, it is ...",
