@@ -36,8 +36,8 @@ from typing import Any
 import math_verify
 
 from qerl.answers import (  # noqa: F401
-    _ZERO_WIDTH, _boxed_spans, answer_tag_content, boxed_answers, extract_answer, extract_boxed, extract_gsm8k_gold, hash_answer,
-    is_long_integer, long_integers_equal, normalize_digits, normalize_minus)
+    _ZERO_WIDTH, _boxed_spans, answer_tag_content, boxed_answers, extract_answer, extract_boxed, extract_gsm8k_gold,
+    hash_answer, is_long_integer, long_integers_equal, normalize_digits, normalize_minus)
 from qerl.deadline import call_with_deadline as _deadline
 from qerl.math_parsing import (  # noqa: F401 (re-exported)
     _DIGIT_SEP_RE, _SPACE_SEP_RE, _is_multi_valued, _parse_gold, _parse_pred, _text_number, has_expression)
@@ -125,9 +125,10 @@ class MathAccuracy(RewardFunction):
     Extraction order: the last ``\\boxed{}`` content, with LaTeX thousands separators between
     digits removed (``5\\,000``, ``5{,}000``, ``5\\!000`` → ``5000``); if it is a number
     written in ``\\text{}`` with unit words (``\\text{18 dollars}``), that number is a further
-    candidate. Without a box (unless ``boxed_only``): the last ``<answer>...</answer>`` (R1 style) or
-    else the line after the last ``####`` (GSM8K style) if math-verify parses anything there, else the whole (tail of the) completion, where
-    math-verify takes the last LaTeX/number expression. Equivalences handled include
+    candidate. Without a box (unless ``boxed_only``): the last ``<answer>...</answer>`` (R1 style),
+    read as a box is; else the line after the last ``####`` (GSM8K style) if math-verify parses
+    anything there, else the whole (tail of the) completion, where math-verify takes the last
+    LaTeX/number expression. Equivalences handled include
     ``\\frac{1}{2}``/``0.5``/``1/2``, ``1,000``/``1000``, ``\\$5``/``5`` and ``5\\%``/``5``.
 
     Args:
@@ -206,8 +207,8 @@ class MathAccuracy(RewardFunction):
 
     def scored_answer(self, completion: Any) -> str | None:
         """The answer `score_one` compares with the gold, as text (for reports next to its verdict):
-        the last box's content, else what math-verify parsed from the answer tag, ``####`` line or
-        tail; None when nothing is scored or the parse fails or times out. Never raises."""
+        the last box's (or ``<answer>`` span's) content, else what math-verify parsed from the ``####``
+        line or the tail; None when nothing is scored or the parse fails or times out. Never raises."""
         prediction = self._prediction(completion)
         if prediction is None:
             return None
