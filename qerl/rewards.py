@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import logging
 import math
+import re
 import sys
 import time
 from typing import Any
@@ -43,6 +44,7 @@ from qerl.math_parsing import (  # noqa: F401 (re-exported)
     _DIGIT_SEP_RE, _SPACE_SEP_RE, _is_multi_valued, _parse_gold, _parse_pred, _text_number, has_expression)
 
 logger = logging.getLogger(__name__)
+_WHITESPACE_RE = re.compile(r"\s*")
 _long_integer_warned = [False]  # (once per process: a data set's long golds would repeat it every step)
 
 # ----------------------------------------------------------------------------------------------
@@ -325,18 +327,41 @@ class TagFormatReward(RewardFunction):
     Args:
         think_opened_in_prompt: The prompt itself ends with ``<think>`` (R1-Zero's template, "...
             Assistant: <think>"), so the completion starts inside the thought, without that tag.
+        strict: False: 1.0 if the completion *contains* ``<think>...</think>``, whitespace,
+            ``<answer>...</answer>`` anywhere (the official QeRL code's ``soft_format_reward``,
+            its regex ``<think>.*?</think>\\s*<answer>.*?</answer>`` searched, DOTALL).
     """
 
     name = "tag_format"
 
-    def __init__(self, think_opened_in_prompt: bool = False) -> None:
+    def __init__(self, think_opened_in_prompt: bool = False, strict: bool = True) -> None:
         super().__init__()
         self.think_opened_in_prompt = think_opened_in_prompt
+        self.strict = strict
+
+    @staticmethod
+    def _contains_pair(text: str, opened: bool) -> bool:
+        """Whether some ``</think>`` (after a ``<think>`` unless ``opened``) is followed, whitespace
+        aside, by ``<answer>`` and later by ``</answer>``. Linear: the whitespace runs after distinct
+        ``</think>`` tags do not overlap."""
+        first_think = 0 if opened else text.find("<think>")
+        last_close = text.rfind("</answer>")
+        if first_think < 0 or last_close < 0:
+            return False
+        end = text.find("</think>", first_think)
+        while end >= 0:
+            answer = _WHITESPACE_RE.match(text, end + len("</think>")).end()
+            if text.startswith("<answer>", answer) and last_close >= answer + len("<answer>"):
+                return True
+            end = text.find("</think>", end + 1)
+        return False
 
     def score_one(self, completion: Any) -> float:
         """Score one completion; never raises."""
         if not isinstance(completion, str):
             return 0.0
+        if not self.strict:
+            return 1.0 if self._contains_pair(completion, self.think_opened_in_prompt) else 0.0
         text = completion.strip()
         expected = {"<think>": 0 if self.think_opened_in_prompt else 1, "</think>": 1, "<answer>": 1, "</answer>": 1}
         if any(text.count(tag) != n for tag, n in expected.items()):

@@ -698,3 +698,23 @@ def test_a_gold_without_an_expression_is_warned(caplog):
     with caplog.at_level(logging.WARNING, logger="qerl.rewards"):
         assert MathAccuracy()(["\\boxed{\\frac{1}{2}}"], ["\\frac{"]) == [0.0]
     assert "reads no expression in the gold answer '\\\\frac{'" in caplog.text
+
+
+@pytest.mark.parametrize("completion, expected", [
+    ("<think>x</think> <answer>4</answer>", 1.0),
+    ("Sure! <think>x</think>\n<answer>4</answer> and then some text", 1.0),  # contained is enough
+    ("<think>x</think> so <answer>4</answer>", 0.0),  # text between the two
+    ("<think>a</think> b </think><answer>4</answer>", 1.0),  # a later </think> pairs with the answer
+    ("<answer>4</answer><think>x</think>", 0.0),
+    ("<think>x</think><answer>4", 0.0),
+    ("<think>" + "</think> x " * 50_000 + "</answer>", 0.0),  # adversarial: linear
+])
+def test_tag_format_reward_soft_is_the_official_regex(completion, expected):
+    """strict: false is the official QeRL soft_format_reward: `<think>.*?</think>\\s*<answer>.*?</answer>`
+    searched (checked equal to that regex on 200k random tag strings when written)."""
+    import re
+
+    from qerl.rewards import TagFormatReward
+
+    assert TagFormatReward(strict=False).score_one(completion) == expected
+    assert bool(re.search(r"<think>.*?</think>\s*<answer>.*?</answer>", completion, re.DOTALL)) == bool(expected)
