@@ -102,6 +102,21 @@ def _text_number(boxed: str) -> str | None:
     return m.group(1)
 
 
+_LATEX_COMMAND_RE = re.compile(r"\\[A-Za-z]+")
+# LaTeX whose braces hold words that are markup, not prose: `\text{ degrees}`, `\begin{pmatrix}`
+_LATEX_WORDS_RE = re.compile(rf"\\(?:{_TEXT_MACROS}|operatorname|begin|end)\s*\{{[^{{}}]*\}}")
+_WORD_RE = re.compile(r"(?<![A-Za-z])[A-Za-z]{2,}")
+_BOX_START_RE = re.compile(r"\\(?:boxed|fbox)\s*\{")
+
+
+def is_bare_math(text: str) -> bool:
+    """Whether ``text`` is maths alone, no words (``\\sqrt{51}``, ``6 - 5i``, ``\\left( 3, \\pi \\right)``):
+    such an ``<answer>`` span is read as a box is. A word of two letters or more outside LaTeX
+    commands (``The answer is 72``, ``72 clips``) or an unclosed box is text to parse instead."""
+    words = _LATEX_COMMAND_RE.sub(" ", _LATEX_WORDS_RE.sub(" ", text))
+    return not _WORD_RE.search(words) and not _BOX_START_RE.search(text)
+
+
 def has_expression(parsed: list | tuple) -> bool:
     """Whether a math-verify parse holds an expression (SymPy), not only the unparsed text."""
     return any(isinstance(p, (Basic, MatrixBase)) for p in parsed)

@@ -41,7 +41,8 @@ from qerl.answers import (  # noqa: F401
     hash_answer, is_long_integer, long_integers_equal, normalize_digits, normalize_minus)
 from qerl.deadline import call_with_deadline as _deadline
 from qerl.math_parsing import (  # noqa: F401 (re-exported)
-    _DIGIT_SEP_RE, _SPACE_SEP_RE, _is_multi_valued, _parse_gold, _parse_pred, _text_number, has_expression)
+    _DIGIT_SEP_RE, _SPACE_SEP_RE, _is_multi_valued, _parse_gold, _parse_pred, _text_number, has_expression,
+    is_bare_math)
 
 logger = logging.getLogger(__name__)
 _WHITESPACE_RE = re.compile(r"\s*")
@@ -128,7 +129,7 @@ class MathAccuracy(RewardFunction):
     digits removed (``5\\,000``, ``5{,}000``, ``5\\!000`` → ``5000``); if it is a number
     written in ``\\text{}`` with unit words (``\\text{18 dollars}``), that number is a further
     candidate. Without a box (unless ``boxed_only``): the last ``<answer>...</answer>`` (R1 style),
-    read as a box is; else the line after the last ``####`` (GSM8K style) if math-verify parses
+    read as a box is when it is maths alone and as text when it has words; else the line after the last ``####`` (GSM8K style) if math-verify parses
     anything there, else the whole (tail of the) completion, where math-verify takes the last
     LaTeX/number expression. Equivalences handled include
     ``\\frac{1}{2}``/``0.5``/``1/2``, ``1,000``/``1000``, ``\\$5``/``5`` and ``5\\%``/``5``.
@@ -191,10 +192,12 @@ class MathAccuracy(RewardFunction):
         # a right box then a long ramble is right; a wrong one is not rescued by a later bare number.
         # Only what math-verify parses is capped (`limit`: the box, or the tail without one).
         limit = self.max_chars if self.max_chars > 0 else len(text)
-        boxed = extract_boxed(text)
-        if boxed is None and not self.boxed_only:  # an R1-style `<answer>` span is read as a box is
-            tagged = text if self.answer_tag else answer_tag_content(text)  # (answer_tag: text is the span)
-            boxed = tagged.strip() if tagged is not None and tagged.strip() else None
+        boxed, span = extract_boxed(text), None
+        if boxed is None and not self.boxed_only:  # an R1-style `<answer>` span (answer_tag: text is the span)
+            span = text if self.answer_tag else answer_tag_content(text)
+            span = span.strip().strip("*_").strip() if span is not None else None  # (markdown emphasis)
+            if span and len(span) <= limit and is_bare_math(span):
+                boxed, span = span, None  # maths alone (`\sqrt{51}`, `\pi`): read as a box is, whole
         if boxed is None and self.boxed_only:
             return None
         if boxed is not None:  # a plain space as the separator, only in the answer itself (`\boxed{12 345}`)
@@ -204,7 +207,9 @@ class MathAccuracy(RewardFunction):
         # Re-box the extracted content so math-verify sees exactly the last box (its boxed regex
         # is brace-balanced) rather than whatever else the completion contains. Without a box, the
         # tail (answers sit at the end), with `−5` read as -5 as it is inside LaTeX.
-        pred_text = "\\boxed{" + boxed + "}" if boxed is not None else normalize_minus(text[-limit:])
+        # A span in words (`The answer is 72`, `72 clips`) is parsed as text: boxed, math-verify would
+        # read the words as a product of symbols.
+        pred_text = "\\boxed{" + boxed + "}" if boxed is not None else normalize_minus((span or text)[-limit:])
         return text, boxed, pred_text
 
     def scored_answer(self, completion: Any) -> str | None:

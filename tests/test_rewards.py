@@ -643,6 +643,12 @@ def test_math_accuracy_answer_tag_scores_only_the_last_answer_span():
         assert reward([f"<think>work</think> <answer>{gold}</answer>"], [gold]) == [1.0], gold
         assert MathAccuracy()([f"<think>work</think> <answer>{gold}</answer>"], [gold]) == [1.0], gold
     assert reward(["<answer>2\\sqrt{113}</answer>"], ["2"]) == [0.0]  # not its leading number
+    # a span in words is parsed as text (boxed, math-verify read `The answer is 72` as t*h*E*...*72)
+    for span in ("The answer is 72", "Answer: 72", "72 clips", "**72**", "So\n72", "There are 72 apples left",
+                 "48 + 24 = 72 clips", "The answer is 72."):
+        assert reward([f"<think>w</think> <answer>{span}</answer>"], ["72"]) == [1.0], span
+    assert reward(["<answer>\\boxed{72</answer>"], ["72"]) == [0.0]  # an unclosed box is not the number
+    assert reward(["<answer>\\text{Evelyn}</answer>"], ["\\text{Evelyn}"]) == [1.0]  # LaTeX text is markup
     assert reward(["<think>maybe 5</think><answer>\\frac{1}{2}</answer>"], ["0.5"]) == [1.0]
     assert reward(["<think>it is \\boxed{4}</think><answer>5</answer>"], ["4"]) == [0.0]  # the box in the thought is not it
     assert reward(["<answer>3</answer> no, <answer>\\boxed{1,000}</answer>"], ["1000"]) == [1.0]
