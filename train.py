@@ -234,12 +234,25 @@ class SaveRunConfig(SaveConfigCallback):
         super().setup(trainer, pl_module, stage)
 
 
+class _CurrentStderrHandler(logging.StreamHandler):
+    """A StreamHandler on whatever ``sys.stderr`` is when it writes (as logging's last resort is), not
+    the one it was made with: a capturing caller (pytest's capsys) closes and replaces that stream."""
+
+    @property
+    def stream(self):
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, value) -> None:  # (StreamHandler.__init__ assigns it)
+        pass
+
+
 def main(args=None, run: bool = True) -> LightningCLI:
     # our INFO lines (base weight bytes and trainable parameters, data set sizes, vLLM start) on stderr
     for name in ("qerl", "lightning_modules", "callbacks"):
         logger = logging.getLogger(name)
         if not logger.handlers:
-            handler = logging.StreamHandler()
+            handler = _CurrentStderrHandler()
             handler.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
             logger.addHandler(handler)
             logger.setLevel(logging.INFO)
