@@ -17,7 +17,7 @@ import torch.nn as nn
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
-from qerl.model import TINY_MODEL_NAMES, LoraSettings, hold_norm_in_fp32, lora_config
+from qerl.model import TINY_MODEL_NAMES, LoraSettings, hold_norm_in_fp32, lora_config, non_finite_tensors
 
 TRAINABLE_NORMS_FILE = "trainable_norms.safetensors"
 # The base an adapter was trained on, as qerl built it (a tiny model's weights are its seed's, its
@@ -101,11 +101,6 @@ def read_base(adapter_dir: str | Path) -> dict | None:
     return base if isinstance(base, dict) else None
 
 
-def non_finite_tensors(tensors: dict) -> list[str]:
-    """Names of the floating-point tensors of ``tensors`` that hold a NaN or an inf (weights saved
-    after a training run diverged: refused by resume and export rather than passed on)."""
-    return [name for name, t in tensors.items()
-            if torch.is_tensor(t) and t.is_floating_point() and not bool(torch.isfinite(t).all())]
 
 
 def refuse_non_finite(tensors: dict, what: str, kind: str, then: str) -> None:

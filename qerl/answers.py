@@ -114,6 +114,11 @@ def boxed_answers(text: str) -> list[str]:
     return answers
 
 
+def unwrap_emphasis(text: str) -> str:
+    """``text`` stripped of blanks and markdown emphasis around it (``**72**`` → ``72``)."""
+    return text.strip().strip("*_").strip()
+
+
 def answer_tag_content(text: str) -> str | None:
     """The content of the last closed ``<answer>...</answer>`` (R1-style tags), or None (linear time)."""
     end = text.rfind("</answer>")
@@ -127,14 +132,13 @@ def hash_answer(text: str) -> str | None:
     stripped; None when there is none. A markdown heading (``#### Step 2``, ``#### 1. Setup``) is not."""
     if not isinstance(text, str) or "####" not in text:
         return None
-    unwrap = lambda s: s.strip().strip("*_").strip()  # noqa: E731  (markdown emphasis)
     for line in reversed(_HASH_LINE_RE.findall(text)):  # the last answer line wins (self-corrections)
-        line = unwrap(line)
+        line = unwrap_emphasis(line)
         prefix = _ANSWER_PREFIX_RE.match(line)
         if prefix:
-            line = unwrap(line[prefix.end():])
+            line = unwrap_emphasis(line[prefix.end():])
         elif (variable := _VARIABLE_PREFIX_RE.match(line)) is not None:
-            value = unwrap(line[variable.end():])
+            value = unwrap_emphasis(line[variable.end():])
             if _LONE_VALUE_RE.fullmatch(value):
                 return value
             continue

@@ -13,7 +13,7 @@ from functools import lru_cache
 import math_verify
 from sympy import Basic, MatrixBase
 
-from qerl.answers import hash_answer
+from qerl.answers import _BOX_RE, hash_answer
 
 
 @lru_cache(maxsize=4096)
@@ -106,7 +106,6 @@ _LATEX_COMMAND_RE = re.compile(r"\\[A-Za-z]+")
 # LaTeX whose braces hold words that are markup, not prose: `\text{ degrees}`, `\begin{pmatrix}`
 _LATEX_WORDS_RE = re.compile(rf"\\(?:{_TEXT_MACROS}|operatorname|begin|end)\s*\{{[^{{}}]*\}}")
 _WORD_RE = re.compile(r"(?<![A-Za-z])[A-Za-z]{2,}")
-_BOX_START_RE = re.compile(r"\\(?:boxed|fbox)\s*\{")
 
 
 def is_bare_math(text: str) -> bool:
@@ -114,7 +113,7 @@ def is_bare_math(text: str) -> bool:
     such an ``<answer>`` span is read as a box is. A word of two letters or more outside LaTeX
     commands (``The answer is 72``, ``72 clips``) or an unclosed box is text to parse instead."""
     words = _LATEX_COMMAND_RE.sub(" ", _LATEX_WORDS_RE.sub(" ", text))
-    return not _WORD_RE.search(words) and not _BOX_START_RE.search(text)
+    return not _WORD_RE.search(words) and not _BOX_RE.search(text)
 
 
 def has_expression(parsed: list | tuple) -> bool:

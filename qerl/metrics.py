@@ -45,8 +45,8 @@ def majority_vote(correct: Sequence[bool], answers: Sequence[str | None]) -> flo
     right = sum(bool(c) for c in correct)
     wrong: dict[str, int] = {}
     for ok, answer in zip(correct, answers):
-        if not ok and answer is not None and "".join(answer.split()):
-            key = "".join(answer.split())
+        key = "".join(answer.split()) if answer is not None else ""
+        if not ok and key:
             wrong[key] = wrong.get(key, 0) + 1
     if right == 0:
         return 0.0

@@ -316,12 +316,19 @@ def base_model_only(model: nn.Module):
                 params[name].data = value
 
 
+def non_finite_tensors(tensors: dict) -> list[str]:
+    """Names of the floating-point tensors of ``tensors`` that hold a NaN or an inf (a broken base, or
+    weights saved after a training run diverged: refused rather than passed on)."""
+    return [name for name, t in tensors.items()
+            if torch.is_tensor(t) and t.is_floating_point() and not bool(torch.isfinite(t).all())]
+
+
 def refuse_non_finite_base(model: nn.Module, name_or_path: str) -> None:
     """One line when a dense weight of the base holds NaN / inf (the quantizers refuse theirs as they
     pack them): otherwise the first rollout fails on non-finite logits, blaming the policy."""
-    for name, p in model.named_parameters():
-        if type(p) is nn.Parameter and p.is_floating_point() and not bool(torch.isfinite(p).all()):
-            raise ValueError(f"model {name_or_path!r}: {name} holds NaN / inf values (a broken checkpoint?)")
+    dense = {name: p for name, p in model.named_parameters() if type(p) is nn.Parameter}
+    if bad := non_finite_tensors(dense):
+        raise ValueError(f"model {name_or_path!r}: {bad[0]} holds NaN / inf values (a broken checkpoint?)")
 
 
 def load_policy(

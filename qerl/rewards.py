@@ -38,7 +38,7 @@ import math_verify
 
 from qerl.answers import (  # noqa: F401
     _ZERO_WIDTH, _boxed_spans, answer_tag_content, boxed_answers, extract_answer, extract_boxed, extract_gsm8k_gold,
-    hash_answer, is_long_integer, long_integers_equal, normalize_digits, normalize_minus)
+    hash_answer, is_long_integer, long_integers_equal, normalize_digits, normalize_minus, unwrap_emphasis)
 from qerl.deadline import call_with_deadline as _deadline
 from qerl.math_parsing import (  # noqa: F401 (re-exported)
     _DIGIT_SEP_RE, _SPACE_SEP_RE, _is_multi_valued, _parse_gold, _parse_pred, _text_number, has_expression,
@@ -129,9 +129,9 @@ class MathAccuracy(RewardFunction):
     digits removed (``5\\,000``, ``5{,}000``, ``5\\!000`` → ``5000``); if it is a number
     written in ``\\text{}`` with unit words (``\\text{18 dollars}``), that number is a further
     candidate. Without a box (unless ``boxed_only``): the last ``<answer>...</answer>`` (R1 style),
-    read as a box is when it is maths alone and as text when it has words; else the line after the last ``####`` (GSM8K style) if math-verify parses
-    anything there, else the whole (tail of the) completion, where math-verify takes the last
-    LaTeX/number expression. Equivalences handled include
+    read as a box is when it is maths alone and as text when it has words; else the line after the
+    last ``####`` (GSM8K style) if math-verify parses anything there, else the whole (tail of the)
+    completion, where math-verify takes the last LaTeX/number expression. Equivalences handled include
     ``\\frac{1}{2}``/``0.5``/``1/2``, ``1,000``/``1000``, ``\\$5``/``5`` and ``5\\%``/``5``.
 
     Args:
@@ -195,7 +195,7 @@ class MathAccuracy(RewardFunction):
         boxed, span = extract_boxed(text), None
         if boxed is None and not self.boxed_only:  # an R1-style `<answer>` span (answer_tag: text is the span)
             span = text if self.answer_tag else answer_tag_content(text)
-            span = span.strip().strip("*_").strip() if span is not None else None  # (markdown emphasis)
+            span = unwrap_emphasis(span) if span is not None else None
             if span and len(span) <= limit and is_bare_math(span):
                 boxed, span = span, None  # maths alone (`\sqrt{51}`, `\pi`): read as a box is, whole
         if boxed is None and self.boxed_only:
