@@ -91,6 +91,13 @@ class ResumeMixin:
             f"or overflowing (e.g. {bad[0]}) from a finite gradient: model.optimizer.lr or weight_decay too large? "
             f"Nothing of step {step} is saved; resume from a checkpoint of step {step - 1} or earlier with a smaller lr")
 
+    def non_finite_gradients(self) -> str:
+        """Which trainable tensors hold a non-finite gradient, for the warning of a skipped update
+        (read only then): how many, and the first, e.g. the lowest layer it reached."""
+        grads = {n: p.grad for n, p in self.model.named_parameters() if p.requires_grad and p.grad is not None}
+        bad = non_finite_tensors(grads)
+        return f"{len(bad)} of {len(grads)} gradients, first {bad[0]}" if bad else "the norm overflowed"
+
     def skipped_streak_error(self, what: str) -> TrainingDiverged:
         """What stops a run whose last updates all had a non-finite ``what`` (loss or gradient norm):
         skipped, they left the weights of the streak's first step, which give them."""

@@ -34,6 +34,7 @@ import lightning as L
 import torch
 from lightning.pytorch.utilities import rank_zero_warn
 
+from qerl.attention_masks import left_padding_mask
 from qerl.logprobs import entropy_from_logits, selective_log_softmax
 from qerl.losses import group_advantages, high_entropy_mask, masked_mean, policy_loss, truncated_is_weights
 from lightning_modules.checkpointing import ResumeMixin
@@ -216,8 +217,10 @@ class QeRLModule(ResumeMixin, EvaluationMixin, StepMetricsMixin, L.LightningModu
         stop_in = stop - 1 if T_used > 0 else stop  # (no completion token at all: one dummy logit, unused)
         input_ids, attention_mask = input_ids[:, start:stop_in], attention_mask[:, start:stop_in]
         position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)  # same rule as the HF engine
-        out = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                         use_cache=False, logits_to_keep=max(T_used, 1))
+        # left padding: each padding query sees itself (cuDNN attention's backward can give NaN for a
+        # query row that sees nothing, and 0 * NaN reaches every LoRA gradient: qerl.attention_masks)
+        out = self.model(input_ids=input_ids, attention_mask=left_padding_mask(self.model, attention_mask),
+                         position_ids=position_ids, use_cache=False, logits_to_keep=max(T_used, 1))
         logits = out.logits[:, :T_used]  # (n, T_used, V), the model's dtype: the temperature divides in fp32 below
         tau = temperature if temperature > 0 else 1.0
         pad = lambda values: torch.nn.functional.pad(values, (0, T - T_used))  # noqa: E731  (n, T_used) -> (n, T)
@@ -356,8 +359,9 @@ class QeRLModule(ResumeMixin, EvaluationMixin, StepMetricsMixin, L.LightningModu
             if not finite or not torch.isfinite(grad_norm):
                 # A NaN/inf must never reach the weights: drop the whole update (partial grads too).
                 what = "loss" if not finite else "gradient norm"
-                rank_zero_warn(f"non-finite {what} at step {self.global_step}: skipping this update (the step "
-                               "counts, the weights do not change)")
+                where = "" if not finite else f" ({self.non_finite_gradients()})"
+                rank_zero_warn(f"non-finite {what}{where} at step {self.global_step}: skipping this update (the "
+                               "step counts, the weights do not change)")
                 opt.zero_grad(set_to_none=True)
                 # the update's slot is spent: global_step and the LR schedule advance as if it had run,
                 # so a rollout batch stays K steps (checkpoint and log intervals, max_steps line up)

@@ -280,7 +280,7 @@ def test_sliding_window_models_decode_with_the_dynamic_cache_when_the_window_is_
     such models fall back to the dynamic cache, whose tokens equal an unrestricted static decode's."""
     from transformers import AutoModelForCausalLM, MistralConfig, Qwen2Config
 
-    from qerl.rollout.hf import sliding_window_below
+    from qerl.attention_masks import sliding_window_below
 
     small = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
                  num_key_value_heads=2, max_position_embeddings=256, eos_token_id=2, pad_token_id=0)

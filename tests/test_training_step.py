@@ -565,3 +565,42 @@ def test_bad_sampling_settings_name_their_key(bad):
 
     with pytest.raises(ValueError, match=f"sampling.{next(iter(bad))} must be"):
         SamplingSettings(**bad)
+
+
+class _NaNGradWhereNothingIsSeen(torch.autograd.Function):
+    """Identity on the queries whose backward writes NaN into the rows that see no key: what SDPA's
+    cuDNN backend did on the H200 at some shapes (qerl/attention_masks.py)."""
+
+    @staticmethod
+    def forward(ctx, query, blind):
+        ctx.save_for_backward(blind)
+        return query.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        (blind,) = ctx.saved_tensors
+        return grad.masked_fill(blind, float("nan")), None
+
+
+def test_padding_queries_see_themselves_so_attention_backward_stays_finite(policy, mismatched, tmp_path, monkeypatch):
+    """Row 0's prompt is left-padded: with transformers' own mask its padding queries see nothing,
+    and an attention backward like cuDNN's (NaN dq there) loses the update; the trainer's explicit
+    mask lets them see themselves, and the update is applied."""
+    import lightning_modules.qerl_module as qerl_module
+
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+
+    def cudnn_like(query, key, value, attn_mask=None, **kw):
+        if attn_mask is not None and attn_mask.dtype == torch.bool:
+            query = _NaNGradWhereNothingIsSeen.apply(query, ~attn_mask.any(-1, keepdim=True))
+        return sdpa(query, key, value, attn_mask=attn_mask, **kw)
+
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", cudnn_like)
+    applied = fit(policy, mismatched, tmp_path / "explicit")
+    assert all(torch.isfinite(g).all() for g in applied.grads[0])
+    assert max_diff(applied.before, applied.after) > 0.5 * LR
+
+    monkeypatch.setattr(qerl_module, "left_padding_mask", lambda model, attention_mask: attention_mask)
+    with pytest.warns(UserWarning, match=r"non-finite gradient norm \(\d+ of \d+ gradients, first \S+lora_"):
+        lost = fit(policy, mismatched, tmp_path / "two_d")
+    assert max_diff(lost.before, lost.after) == 0.0

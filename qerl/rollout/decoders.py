@@ -16,6 +16,8 @@ import logging
 import torch
 import torch.nn.functional as F
 
+from qerl.attention_masks import model_mask, padded_causal_mask
+
 log = logging.getLogger("qerl.rollout.hf")  # (the engine's logger: its warnings read as the engine's)
 
 
@@ -53,8 +55,8 @@ class _StaticDecoder:
     shapes and buffers, so with ``graph`` it is captured as a CUDA graph on the first step and replayed.
 
     Slot j of row b may be attended when it holds a real token (prompt non-pad, or generated) and
-    j <= the query's slot; a left-pad query also sees itself (a fully masked row would give NaN
-    values that leak through 0 * NaN into later attention).
+    j <= the query's slot; a left-pad query also sees itself (``qerl.attention_masks``: a fully masked
+    row gives backend-dependent values).
     """
 
     def __init__(self, model, ids, mask, positions, max_new_tokens: int, graph: bool):
@@ -69,11 +71,10 @@ class _StaticDecoder:
         self.cache = StaticCache(config=config, max_cache_len=L)
         valid = torch.zeros(B, L, dtype=torch.bool, device=dev)  # slots that hold real tokens
         valid[:, :P] = mask.bool()
-        j = torch.arange(L, device=dev)
-        sees = (j[None, :] <= j[:P, None]) & (valid[:, None, :] | (j[None, :] == j[:P, None]))  # (B, P, L)
+        sees = padded_causal_mask(valid, queries=P)  # (B, 1, P, L)
         self.dtype = next(p for p in model.parameters() if p.is_floating_point()).dtype
         self.eager = getattr(config, "_attn_implementation", "sdpa") == "eager"  # additive float masks
-        out = model(input_ids=ids, attention_mask=self._mask(sees[:, None]), position_ids=positions,
+        out = model(input_ids=ids, attention_mask=self._mask(sees), position_ids=positions,
                     use_cache=True, logits_to_keep=1, **{self.cache_kw: self.cache})
         self.logits = out.logits[:, -1]  # (B, V)
         # the static inputs of the decode step, updated in place
@@ -83,10 +84,7 @@ class _StaticDecoder:
         self._open = 0.0 if self.eager else True
 
     def _mask(self, allowed: torch.Tensor) -> torch.Tensor:
-        if not self.eager:
-            return allowed  # sdpa: True = attend
-        return torch.zeros(allowed.shape, dtype=self.dtype, device=allowed.device).masked_fill(
-            ~allowed, torch.finfo(self.dtype).min)
+        return model_mask(allowed, self.eager, self.dtype)
 
     def _forward(self) -> torch.Tensor:
         return self.model(input_ids=self.tok, attention_mask=self.step_mask, position_ids=self.pos,

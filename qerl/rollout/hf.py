@@ -29,6 +29,7 @@ from typing import Literal
 import torch
 import torch.nn.functional as F
 
+from qerl.attention_masks import sliding_window_below
 from qerl.model import base_model_only
 from qerl.rollout.base import (Generation, NonFiniteLogits, RolloutEngine, SamplingSettings, pad_left, prompt_seeds,
                                sample_inverse_cdf, sample_uniforms, stop_token_ids)
@@ -73,18 +74,6 @@ def check_adapter_dtype(value: str, what: str) -> None:
     """A clear error for an ``adapter_dtype`` other than ``model`` / ``stored``."""
     if value not in ADAPTER_DTYPES:
         raise ValueError(f"{what} must be 'model' or 'stored', got {value!r}")
-
-
-def sliding_window_below(config, length: int) -> bool:
-    """Whether some attention layer of ``config`` sees only a window shorter than ``length`` tokens
-    (Mistral, Qwen2 with ``use_sliding_window``, Gemma-style ``layer_types``). Such a layer's static
-    cache keeps just the window, so the static decoder's full-length masks do not fit it."""
-    config = config.get_text_config() if hasattr(config, "get_text_config") else config
-    window = getattr(config, "sliding_window", None)
-    if not window or window >= length:
-        return False
-    layer_types = getattr(config, "layer_types", None)
-    return layer_types is None or "sliding_attention" in layer_types
 
 
 def decode_mode(device_type: str, cuda_graphs: bool, attn_implementation: str, static: bool | None = None,
