@@ -34,7 +34,7 @@ import lightning as L
 import torch
 from lightning.pytorch.utilities import rank_zero_warn
 
-from qerl.attention_masks import left_padding_mask
+from qerl.attention_masks import left_padding_mask, without_cudnn_attention
 from qerl.logprobs import entropy_from_logits, selective_log_softmax
 from qerl.losses import group_advantages, high_entropy_mask, masked_mean, policy_loss, truncated_is_weights
 from lightning_modules.checkpointing import ResumeMixin
@@ -244,7 +244,7 @@ class QeRLModule(ResumeMixin, EvaluationMixin, StepMetricsMixin, L.LightningModu
         return stack
 
     def training_step(self, batch: dict, batch_idx: int):
-        with self._fused_ops():
+        with self._fused_ops(), without_cudnn_attention():  # (NaN gradients on the H200: qerl.attention_masks)
             self._rl_step(batch)
 
     def _rl_step(self, batch: dict) -> None:

@@ -10,9 +10,15 @@ the update was skipped as non-finite (the testbed fit with the official prompt, 
 
 Letting each padding query attend to itself removes every fully masked row and changes no real
 token's attention: a real query never sees a padding key, and its own key is already allowed.
+That alone did not save the testbed run: with the explicit mask, the same batch (32 x 704 tokens)
+still got non-finite dq from cuDNN, in 428 (row, head) pairs of layer 8 (the isolated test shape
+then passes). So the trainer also keeps cuDNN out of the passes it differentiates
+(:func:`without_cudnn_attention`); flash, memory-efficient and math attention remain.
 """
 
 from __future__ import annotations
+
+import contextlib
 
 import torch
 from torch import Tensor
@@ -64,3 +70,14 @@ def left_padding_mask(model, attention_mask: Tensor) -> Tensor:
         return attention_mask
     dtype = model.get_input_embeddings().weight.dtype
     return model_mask(padded_causal_mask(attention_mask), impl == "eager", dtype)
+
+
+@contextlib.contextmanager
+def without_cudnn_attention():
+    """SDPA may pick any backend but cuDNN's in here (a process-wide setting, so the autograd
+    thread's checkpoint recompute sees it too): the trainer's passes, forward and backward. Changes
+    nothing on the CPU."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    with sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]):
+        yield

@@ -585,12 +585,16 @@ class _NaNGradWhereNothingIsSeen(torch.autograd.Function):
 def test_padding_queries_see_themselves_so_attention_backward_stays_finite(policy, mismatched, tmp_path, monkeypatch):
     """Row 0's prompt is left-padded: with transformers' own mask its padding queries see nothing,
     and an attention backward like cuDNN's (NaN dq there) loses the update; the trainer's explicit
-    mask lets them see themselves, and the update is applied."""
+    mask lets them see themselves, and the update is applied. The step also runs with SDPA's cuDNN
+    backend off (it gave NaN dq on the H200 with the explicit mask too)."""
     import lightning_modules.qerl_module as qerl_module
 
     sdpa = torch.nn.functional.scaled_dot_product_attention
 
+    cudnn_allowed = []  # at every attention call of the step: may SDPA pick its cuDNN backend?
+
     def cudnn_like(query, key, value, attn_mask=None, **kw):
+        cudnn_allowed.append(torch.backends.cuda.cudnn_sdp_enabled())
         if attn_mask is not None and attn_mask.dtype == torch.bool:
             query = _NaNGradWhereNothingIsSeen.apply(query, ~attn_mask.any(-1, keepdim=True))
         return sdpa(query, key, value, attn_mask=attn_mask, **kw)
@@ -599,6 +603,8 @@ def test_padding_queries_see_themselves_so_attention_backward_stays_finite(polic
     applied = fit(policy, mismatched, tmp_path / "explicit")
     assert all(torch.isfinite(g).all() for g in applied.grads[0])
     assert max_diff(applied.before, applied.after) > 0.5 * LR
+    assert cudnn_allowed and not any(cudnn_allowed)  # and the trainer keeps cuDNN's attention out
+    assert torch.backends.cuda.cudnn_sdp_enabled()  # only there
 
     monkeypatch.setattr(qerl_module, "left_padding_mask", lambda model, attention_mask: attention_mask)
     with pytest.warns(UserWarning, match=r"non-finite gradient norm \(\d+ of \d+ gradients, first \S+lora_"):
