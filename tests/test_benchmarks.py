@@ -1,6 +1,7 @@
 """The benchmark scripts users run on the GPU also run end to end on CPU (tiny shape): their JSON
 has the documented rows, so a broken script is caught here rather than on the lent GPU."""
 
+import glob
 import importlib.util
 import json
 import math
@@ -127,3 +128,19 @@ def test_eval_seeds_benchmark_tiny_fp32_draws_identical_samples(tmp_path):
     assert r.returncode == 0, r.stderr[-3000:]
     (row,) = json.loads(out.read_text())["rows"]
     assert row["batches"] == [8, 3] and row["problems"] == 8 and row["identical_problems"] == 8
+
+
+def test_nonfinite_hunt_runs_train_py_and_writes_its_findings(tmp_path):
+    """benchmarks/nonfinite_hunt.py wraps the real CLI (here the shortened quickstart, 2 steps): the
+    run trains, every check runs, and a healthy run has nothing to report. (What it reports on a
+    broken backward: tests/test_training_step.py's left-padding test.)"""
+    sys.path.insert(0, os.path.join(ROOT, "tests"))
+    from test_cli import fast_args
+
+    out = tmp_path / "hunt.json"
+    r = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "nonfinite_hunt.py"), "--out", str(out), "--",
+                        "fit", *fast_args(tmp_path, steps=2)], capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "HUNT done: 0 findings" in r.stdout
+    assert json.loads(out.read_text())["findings"] == []
+    assert glob.glob(f"{tmp_path}/logs/**/events.out.tfevents.*", recursive=True)

@@ -113,13 +113,13 @@ class Recorder(L.Callback):
 
 
 def fit(policy, rollout, root, batches: int = 1, max_grad_norm: float = 0.2, module_kw=None, rollout_noise=0.0,
-        **loss_kw) -> SimpleNamespace:
+        module_class=QeRLModule, **loss_kw) -> SimpleNamespace:
     """``Trainer.fit`` a copy of ``policy`` on ``batches`` copies of ``rollout`` (one epoch, CPU).
     ``rollout_noise`` > 0: AQN noise of that sigma set on the norms with ``apply_to: rollout`` (as
     after the rollout: the training forwards must run without it)."""
     optimizer = OptimizerSettings(lr=LR, warmup_ratio=0.0, schedule="constant", max_grad_norm=max_grad_norm)
-    module = QeRLModule(model="tiny-qwen2", quantization="nvfp4", dtype="fp32", loss=LossSettings(**loss_kw),
-                        optimizer=optimizer, **(module_kw or {}))
+    module = module_class(model="tiny-qwen2", quantization="nvfp4", dtype="fp32", loss=LossSettings(**loss_kw),
+                          optimizer=optimizer, **(module_kw or {}))
     module.model = copy.deepcopy(policy)  # configure_model keeps a model that is already there
     if module.gradient_checkpointing:
         module.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -567,6 +567,18 @@ def test_bad_sampling_settings_name_their_key(bad):
         SamplingSettings(**bad)
 
 
+def load_benchmark(name: str):
+    """A script of benchmarks/ as a module."""
+    import importlib.util
+    import os
+
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks", f"{name}.py")
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 class _NaNGradWhereNothingIsSeen(torch.autograd.Function):
     """Identity on the queries whose backward writes NaN into the rows that see no key: what SDPA's
     cuDNN backend did on the H200 at some shapes (qerl/attention_masks.py)."""
@@ -607,6 +619,18 @@ def test_padding_queries_see_themselves_so_attention_backward_stays_finite(polic
     assert torch.backends.cuda.cudnn_sdp_enabled()  # only there
 
     monkeypatch.setattr(qerl_module, "left_padding_mask", lambda model, attention_mask: attention_mask)
+    hunt = load_benchmark("nonfinite_hunt").Hunt()
+
+    class Watched(QeRLModule):
+        pass
+
+    hunt.install(Watched)
     with pytest.warns(UserWarning, match=r"non-finite gradient norm \(\d+ of \d+ gradients, first \S+lora_"):
-        lost = fit(policy, mismatched, tmp_path / "two_d")
+        lost = fit(policy, mismatched, tmp_path / "two_d", module_class=Watched)
     assert max_diff(lost.before, lost.after) == 0.0
+    # benchmarks/nonfinite_hunt.py names where the backward broke: the last layer's attention, whose
+    # query projection's output gradient is the first non-finite one; the forward stayed finite
+    assert not [f for f in hunt.findings if f["kind"] == "forward"]
+    first = [f for f in hunt.findings if f["kind"] == "first_output_gradient"][0]
+    assert first["module"].endswith("layers.1.self_attn.q_proj"), first
+    assert [f for f in hunt.findings if f["kind"] == "parameter_gradients"][0]["non_finite"] > 0
