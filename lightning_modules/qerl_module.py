@@ -34,7 +34,7 @@ import lightning as L
 import torch
 from lightning.pytorch.utilities import rank_zero_warn
 
-from qerl.attention_masks import left_padding_mask, without_cudnn_attention
+from qerl.attention_masks import cudnn_attention_enabled, left_padding_mask, without_cudnn_attention
 from qerl.logprobs import entropy_from_logits, selective_log_softmax
 from qerl.losses import group_advantages, high_entropy_mask, masked_mean, policy_loss, truncated_is_weights
 from lightning_modules.checkpointing import ResumeMixin
@@ -244,7 +244,7 @@ class QeRLModule(ResumeMixin, EvaluationMixin, StepMetricsMixin, L.LightningModu
         return stack
 
     def training_step(self, batch: dict, batch_idx: int):
-        with self._fused_ops(), without_cudnn_attention():  # (NaN gradients on the H200: qerl.attention_masks)
+        with self._fused_ops():
             self._rl_step(batch)
 
     def _rl_step(self, batch: dict) -> None:
@@ -311,8 +311,13 @@ class QeRLModule(ResumeMixin, EvaluationMixin, StepMetricsMixin, L.LightningModu
         sums: dict[str, float] = {}  # the applied updates' metrics, summed over updates
         losses, grad_norms = [], []  # one per applied update
         pre = {"entropy": 0.0, "is_ratio": 0.0, "weight": 0.0}
-        for update in range(s.updates_per_rollout):
+
+        def run_update(update: int):
+            """One update's forward + backward over the micro-batches (gradients accumulate); returns
+            (finite loss on every micro-batch, summed loss, its metrics, the clipped gradient norm)."""
             finite, update_loss, update_sums = True, 0.0, {}
+            if update == 0:
+                pre.update(entropy=0.0, is_ratio=0.0, weight=0.0)
             for mb in micro_batches:
                 with self._training_noise():
                     logprobs, entropy = lp(mb, with_entropy=(update == 0 and pre_entropy is None),
@@ -356,6 +361,18 @@ class QeRLModule(ResumeMixin, EvaluationMixin, StepMetricsMixin, L.LightningModu
                     pre["is_ratio"] += float(masked_mean(raw_ratio, sampled)) * share
                     pre["weight"] += share
             grad_norm = torch.nn.utils.clip_grad_norm_(self.trainable_parameters(), self.optim_settings.max_grad_norm)
+            return finite, update_loss, update_sums, grad_norm
+
+        for update in range(s.updates_per_rollout):
+            finite, update_loss, update_sums, grad_norm = run_update(update)
+            if finite and not torch.isfinite(grad_norm) and cudnn_attention_enabled(self.device):
+                # cuDNN's attention backward gave non-finite gradients on the H200 (qerl.attention_masks):
+                # the same update again without it (2-2.5x slower attention, so only when needed)
+                rank_zero_warn(f"non-finite gradient norm at step {self.global_step} with cuDNN attention: "
+                               "recomputing this update without it")
+                opt.zero_grad(set_to_none=True)
+                with without_cudnn_attention():
+                    finite, update_loss, update_sums, grad_norm = run_update(update)
             if not finite or not torch.isfinite(grad_norm):
                 # A NaN/inf must never reach the weights: drop the whole update (partial grads too).
                 what = "loss" if not finite else "gradient norm"

@@ -10,10 +10,13 @@ the update was skipped as non-finite (the testbed fit with the official prompt, 
 
 Letting each padding query attend to itself removes every fully masked row and changes no real
 token's attention: a real query never sees a padding key, and its own key is already allowed.
-That alone did not save the testbed run: with the explicit mask, the same batch (32 x 704 tokens)
-still got non-finite dq from cuDNN, in 428 (row, head) pairs of layer 8 (the isolated test shape
-then passes). So the trainer also keeps cuDNN out of the passes it differentiates
-(:func:`without_cudnn_attention`); flash, memory-efficient and math attention remain.
+That alone did not save the testbed run: with the explicit mask, the same seed's batch (32 x 704
+tokens) still got non-finite dq from cuDNN, in 428 (row, head) pairs of layer 8 (the isolated test
+shape then passes). Keeping cuDNN out of every training pass fixed it (0 skipped updates in 3 seeds)
+but costs: the memory-efficient backend takes 1.9-2.5x cuDNN's time for a 7B layer's masked
+attention forward + backward (results/attention_backends_h200.json). So the trainer keeps cuDNN and,
+when an update's gradient norm comes out non-finite with it, recomputes that update inside
+:func:`without_cudnn_attention` (flash, memory-efficient and math remain) before giving up on it.
 """
 
 from __future__ import annotations
@@ -72,11 +75,16 @@ def left_padding_mask(model, attention_mask: Tensor) -> Tensor:
     return model_mask(padded_causal_mask(attention_mask), impl == "eager", dtype)
 
 
+def cudnn_attention_enabled(device: torch.device) -> bool:
+    """Whether SDPA may run cuDNN attention for tensors on ``device`` (CUDA, and not switched off)."""
+    return torch.device(device).type == "cuda" and torch.backends.cuda.cudnn_sdp_enabled()
+
+
 @contextlib.contextmanager
 def without_cudnn_attention():
     """SDPA may pick any backend but cuDNN's in here (a process-wide setting, so the autograd
-    thread's checkpoint recompute sees it too): the trainer's passes, forward and backward. Changes
-    nothing on the CPU."""
+    thread's checkpoint recompute sees it too): the trainer's retried update, forward and backward.
+    Changes nothing on the CPU."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     with sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]):

@@ -597,16 +597,12 @@ class _NaNGradWhereNothingIsSeen(torch.autograd.Function):
 def test_padding_queries_see_themselves_so_attention_backward_stays_finite(policy, mismatched, tmp_path, monkeypatch):
     """Row 0's prompt is left-padded: with transformers' own mask its padding queries see nothing,
     and an attention backward like cuDNN's (NaN dq there) loses the update; the trainer's explicit
-    mask lets them see themselves, and the update is applied. The step also runs with SDPA's cuDNN
-    backend off (it gave NaN dq on the H200 with the explicit mask too)."""
+    mask lets them see themselves, and the update is applied."""
     import lightning_modules.qerl_module as qerl_module
 
     sdpa = torch.nn.functional.scaled_dot_product_attention
 
-    cudnn_allowed = []  # at every attention call of the step: may SDPA pick its cuDNN backend?
-
     def cudnn_like(query, key, value, attn_mask=None, **kw):
-        cudnn_allowed.append(torch.backends.cuda.cudnn_sdp_enabled())
         if attn_mask is not None and attn_mask.dtype == torch.bool:
             query = _NaNGradWhereNothingIsSeen.apply(query, ~attn_mask.any(-1, keepdim=True))
         return sdpa(query, key, value, attn_mask=attn_mask, **kw)
@@ -615,8 +611,6 @@ def test_padding_queries_see_themselves_so_attention_backward_stays_finite(polic
     applied = fit(policy, mismatched, tmp_path / "explicit")
     assert all(torch.isfinite(g).all() for g in applied.grads[0])
     assert max_diff(applied.before, applied.after) > 0.5 * LR
-    assert cudnn_allowed and not any(cudnn_allowed)  # and the trainer keeps cuDNN's attention out
-    assert torch.backends.cuda.cudnn_sdp_enabled()  # only there
 
     monkeypatch.setattr(qerl_module, "left_padding_mask", lambda model, attention_mask: attention_mask)
     hunt = load_benchmark("nonfinite_hunt").Hunt()
@@ -634,3 +628,34 @@ def test_padding_queries_see_themselves_so_attention_backward_stays_finite(polic
     first = [f for f in hunt.findings if f["kind"] == "first_output_gradient"][0]
     assert first["module"].endswith("layers.1.self_attn.q_proj"), first
     assert [f for f in hunt.findings if f["kind"] == "parameter_gradients"][0]["non_finite"] > 0
+
+
+def test_update_with_non_finite_cudnn_gradients_is_recomputed_without_cudnn(policy, mismatched, tmp_path, monkeypatch):
+    """An attention whose backward gives NaN only while SDPA may pick cuDNN (as on the H200, even
+    with the explicit mask): the update is recomputed without cuDNN attention and applied -- the
+    same update as a run whose attention never failed -- instead of skipped; the retry's passes,
+    checkpoint recompute included, ran with cuDNN off, and it is back on after."""
+    import lightning_modules.qerl_module as qerl_module
+
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    calls = []  # per attention call: was cuDNN allowed?
+
+    def cudnn_only_bug(query, key, value, attn_mask=None, **kw):
+        calls.append(torch.backends.cuda.cudnn_sdp_enabled())
+        if calls[-1] and attn_mask is not None and attn_mask.dtype == torch.bool:
+            query = _NaNGradWhereNothingIsSeen.apply(query, ~attn_mask.any(-1, keepdim=True))
+        return sdpa(query, key, value, attn_mask=attn_mask, **kw)
+
+    healthy = fit(policy, mismatched, tmp_path / "healthy", updates_per_rollout=2,
+                  module_kw=dict(gradient_checkpointing=True))
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", cudnn_only_bug)
+    monkeypatch.setattr(qerl_module, "left_padding_mask", lambda model, attention_mask: attention_mask)
+    monkeypatch.setattr(qerl_module, "cudnn_attention_enabled", lambda device: torch.backends.cuda.cudnn_sdp_enabled())
+    with pytest.warns(UserWarning, match="non-finite gradient norm at step 0 with cuDNN attention: recomputing") as seen:
+        recovered = fit(policy, mismatched, tmp_path / "recovered", updates_per_rollout=2,
+                        module_kw=dict(gradient_checkpointing=True))
+    assert not [w for w in seen if "skipping this update" in str(w.message)]
+    assert recovered.steps_per_batch == [2] and len(recovered.grads) == 2
+    assert_same_update(healthy, recovered, "recomputed without cuDNN")
+    assert recovered.logged["train/loss"] == pytest.approx(healthy.logged["train/loss"], rel=1e-5)
+    assert True in calls and False in calls and torch.backends.cuda.cudnn_sdp_enabled()
