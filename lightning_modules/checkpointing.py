@@ -25,7 +25,7 @@ from qerl.seeding import global_rng_state, set_global_rng_state
 
 # QeRLModule arguments that shape training only, not the weights an evaluation runs (validate /
 # test against a checkpoint do not compare them)
-_TRAINING_ONLY = ("loss", "optimizer", "gradient_checkpointing", "warn_after_steps", "fused_ops")
+_TRAINING_ONLY = ("loss", "optimizer", "gradient_checkpointing", "warn_after_steps", "fused_ops", "cudnn_attention")
 
 
 class TrainingDiverged(RuntimeError):

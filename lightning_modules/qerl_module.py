@@ -78,6 +78,9 @@ class QeRLModule(ResumeMixin, EvaluationMixin, StepMetricsMixin, L.LightningModu
             and SiLU(gate) * up as one Triton kernel each, forward and backward (``qerl.fused_ops``, as
             the embedded engine generates), and the NVFP4 q/k/v and gate/up bases as one linear each
             (``qerl.rollout.fast_linears.fused_base_projections``); false: transformers' eager ops.
+        cudnn_attention: let SDPA pick its cuDNN backend in the training passes (the fastest with a
+            padding mask on Hopper); an update whose gradient comes out non-finite with it is recomputed
+            once without it. false: never (1.9-2.5x slower masked attention; ``qerl.attention_masks``).
         seed: seeds the tiny model's random init (real models ignore it); null: ``seed_everything``.
         warn_after_steps: warn when reward std is 0 or >= 90% of completions are truncated this many rollout
             batches in a row.
@@ -95,6 +98,7 @@ class QeRLModule(ResumeMixin, EvaluationMixin, StepMetricsMixin, L.LightningModu
         adapter_path: str | None = None,
         gradient_checkpointing: bool = False,
         fused_ops: bool = True,
+        cudnn_attention: bool = True,
         seed: int | None = None,
         warn_after_steps: int = 5,
     ):
@@ -111,7 +115,7 @@ class QeRLModule(ResumeMixin, EvaluationMixin, StepMetricsMixin, L.LightningModu
         self.eval_settings = eval or EvalSettings()
         self.adapter_path = adapter_path
         self.gradient_checkpointing = gradient_checkpointing
-        self.fused_ops = fused_ops
+        self.fused_ops, self.cudnn_attention = fused_ops, cudnn_attention
         self.warn_after_steps = warn_after_steps
         self.model: torch.nn.Module | None = None
         self._tokenizer = None
@@ -244,7 +248,8 @@ class QeRLModule(ResumeMixin, EvaluationMixin, StepMetricsMixin, L.LightningModu
         return stack
 
     def training_step(self, batch: dict, batch_idx: int):
-        with self._fused_ops():
+        attention = contextlib.nullcontext() if self.cudnn_attention else without_cudnn_attention()
+        with self._fused_ops(), attention:
             self._rl_step(batch)
 
     def _rl_step(self, batch: dict) -> None:

@@ -13,6 +13,7 @@ What is pinned here (qerl/losses.py's micro-batch accumulation contract, seen th
 
 import copy
 import math
+import warnings
 from types import SimpleNamespace
 
 import lightning as L
@@ -659,3 +660,12 @@ def test_update_with_non_finite_cudnn_gradients_is_recomputed_without_cudnn(poli
     assert_same_update(healthy, recovered, "recomputed without cuDNN")
     assert recovered.logged["train/loss"] == pytest.approx(healthy.logged["train/loss"], rel=1e-5)
     assert True in calls and False in calls and torch.backends.cuda.cudnn_sdp_enabled()
+
+    calls.clear()  # model.cudnn_attention: false keeps cuDNN out of every pass: nothing to recompute
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        without = fit(policy, mismatched, tmp_path / "without", updates_per_rollout=2,
+                      module_kw=dict(gradient_checkpointing=True, cudnn_attention=False))
+    assert calls and not any(calls) and torch.backends.cuda.cudnn_sdp_enabled()
+    assert not [w for w in seen if "non-finite" in str(w.message)]
+    assert_same_update(healthy, without, "cudnn_attention false")
