@@ -210,6 +210,7 @@ class RolloutCallback(L.Callback):
                 cb.prepare_step(trainer, pl_module)
         step = trainer.global_step
         prompt_ids, prompts, answers = list(batch["prompt_ids"]), list(batch["prompts"]), list(batch["answers"])
+        sources = list(batch.get("sources") or [""] * len(prompt_ids))  # (per-source reward curves)
         target_groups = len(prompt_ids)
         t0 = time.perf_counter()
         norm_scales = pl_module.noisy_norms.effective_scales() if pl_module.noisy_norms is not None else None
@@ -219,7 +220,7 @@ class RolloutCallback(L.Callback):
             timings[f"sync/{part}"] = seconds
 
         with self.engine.awake():  # vLLM: one sleep after the refill rounds, not one per round (~6 s at 7B)
-            kept, dropped = self._sample_groups(prompt_ids, prompts, answers, pl_module, step, 0, timings)
+            kept, dropped = self._sample_groups(prompt_ids, prompts, answers, sources, pl_module, step, 0, timings)
             for round_ in range(1, self.max_refill_rounds + 1):
                 if not self.dynamic_sampling or len(kept) >= target_groups:
                     break
@@ -257,7 +258,7 @@ class RolloutCallback(L.Callback):
         if self.log_every > 0 and batch_reaches_multiple(step, steps_per_batch, self.log_every):
             self._log_table(trainer, batch["rollout"], step)
 
-    def _sample_groups(self, prompt_ids, prompts, answers, pl_module, step, round_, timings):
+    def _sample_groups(self, prompt_ids, prompts, answers, sources, pl_module, step, round_, timings):
         """Generate G completions per prompt and score them; returns (kept groups, dropped groups)."""
         G, tok = self.group_size, pl_module.tokenizer
         t0 = time.perf_counter()
@@ -284,7 +285,7 @@ class RolloutCallback(L.Callback):
         kept, dropped = [], []
         for b in range(len(prompt_ids)):
             rows = slice(b * G, (b + 1) * G)
-            group = dict(prompt_ids=prompt_ids[b], prompt=prompts[b], answer=answers[b],
+            group = dict(prompt_ids=prompt_ids[b], prompt=prompts[b], answer=answers[b], source=sources[b],
                          completion_ids=gen.completion_ids[rows], logprobs=gen.sampler_logprobs[rows],
                          texts=texts[rows], rewards=rewards[rows], task_rewards=task_rewards[rows], truncated=truncated[rows],
                          components={k: v[rows] for k, v in components.items()})
@@ -297,7 +298,7 @@ class RolloutCallback(L.Callback):
         if dm is None or not hasattr(dm, "draw_extra"):
             return None
         extra = dm.draw_extra(num_prompts, seed)
-        return list(extra["prompt_ids"]), list(extra["prompts"]), list(extra["answers"])
+        return list(extra["prompt_ids"]), list(extra["prompts"]), list(extra["answers"]), list(extra["sources"])
 
     def _to_rollout(self, groups, num_dropped, pl_module, timings) -> Rollout:
         G, tok = self.group_size, pl_module.tokenizer
@@ -318,6 +319,7 @@ class RolloutCallback(L.Callback):
             prompts=[g["prompt"] for g in groups for _ in range(G)],
             completions=[t for g in groups for t in g["texts"]],
             answers=[g["answer"] for g in groups for _ in range(G)],
+            sources=[g["source"] for g in groups for _ in range(G)],
             timings=timings, num_groups_dropped=num_dropped,
         )
 

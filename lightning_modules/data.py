@@ -55,7 +55,7 @@ from lightning_modules.prompt_stream import (  # noqa: F401  (BATCH_KEYS, epoch_
     epoch_permutation,
 )
 from qerl.seeding import resolve_seed
-from qerl.data import Layout, PromptExample, load_examples
+from qerl.data import Layout, PromptExample, load_examples, source_names
 from qerl.prompts import DEFAULT_SYSTEM_PROMPT, check_prompt_format, encode_prompts, prompt_format_digest
 
 logger = logging.getLogger(__name__)
@@ -195,6 +195,13 @@ class PromptDataModule(L.LightningDataModule):
     def val_names(self) -> list[str]:
         """Names of the validation dataloaders, in dataloader_idx order."""
         return list(self.val_sources)
+
+    @property
+    def train_source_names(self) -> dict[str, str]:
+        """Source -> short name of each training source when there are several (the tags of
+        ``train/reward_by_source/<name>``); empty for one source."""
+        sources = [self.train_source] if isinstance(self.train_source, str) else list(self.train_source)
+        return source_names(sources) if len(set(sources)) > 1 else {}
 
     @property
     def test_names(self) -> list[str]:

@@ -61,7 +61,27 @@ class StepMetricsMixin:
         self.log_dict(metrics, on_step=True, on_epoch=False, batch_size=rewards.numel(), sync_dist=True)
         self.log_dict(longest, on_step=True, on_epoch=False, batch_size=rewards.numel(), sync_dist=True,
                       reduce_fx="max")
+        # (reduced over the ranks already; keys only for the sources in this batch)
+        self.log_dict(self._reward_by_source(rollout), on_step=True, on_epoch=False, batch_size=rewards.numel())
         self._warn_on_silent_failures(float(metrics["train/frac_reward_zero_std"]), float(metrics["train/clipped_ratio"]))
+
+    def _reward_by_source(self, rollout: Rollout) -> dict[str, float]:
+        """``train/reward_by_source/<name>`` with several training sources: the mean reward of each
+        source's completions in this batch over every rank (sums and counts reduced, not a mean of
+        the ranks' means); a source with no prompt in the batch gets no point this step."""
+        names = getattr(self.trainer.datamodule, "train_source_names", None) or {}
+        if not names or len(rollout.sources) != rollout.rewards.numel():
+            return {}
+        index = {source: i for i, source in enumerate(names)}
+        rows = torch.tensor([index.get(source, -1) for source in rollout.sources])  # (N,)
+        known = rows >= 0
+        totals = torch.zeros(2, len(names), dtype=torch.float64)  # (reward sum, completions) per source
+        totals[0].index_add_(0, rows[known], rollout.rewards.detach().cpu().double()[known])
+        totals[1].index_add_(0, rows[known], torch.ones(int(known.sum()), dtype=torch.float64))
+        if self._world_size() > 1:
+            totals = self.trainer.strategy.reduce(totals.to(self.device), reduce_op="sum").cpu()
+        return {f"train/reward_by_source/{name}": float(totals[0, i] / totals[1, i])
+                for i, name in enumerate(names.values()) if totals[1, i] > 0}
 
     def _warn_on_silent_failures(self, frac_zero_std: float, clipped: float) -> None:
         """The classic silent failures: no reward signal, or every completion cut at max length (under

@@ -325,3 +325,36 @@ def synthetic_arithmetic(n: int, seed: int, max_operand: int = 20, exclude: froz
         if prompt not in exclude:
             out.append(PromptExample(prompt=prompt, answer=str(ops[op](a, b)), source=SYNTHETIC_SOURCE, index=len(out)))
     return out
+
+
+_SPLIT_WORDS = {"train", "training", "test", "testing", "eval", "evaluation", "valid", "validation", "dev", "val"}
+_DATA_SUFFIXES = (".jsonl", ".json", ".parquet")
+
+
+def source_names(sources: list[str]) -> dict[str, str]:
+    """Short, distinct names for training sources (the tags of per-source curves): the last part
+    of the path or dataset id without its suffix, with its folder when it only names the split
+    (``data/gsm8k/train.jsonl`` -> ``gsm8k_train``, ``openai/gsm8k`` -> ``gsm8k``); names that
+    would collide keep more of the path, and what still collides is numbered."""
+    def parts(source: str) -> list[str]:
+        path = source.rstrip("/")
+        for suffix in _DATA_SUFFIXES:
+            path = path[: -len(suffix)] if path.endswith(suffix) else path
+        return [p for p in path.split("/") if p not in ("", ".", "..")] or [source]
+
+    unique = list(dict.fromkeys(sources))
+    depth = {s: 2 if len(parts(s)) > 1 and parts(s)[-1].lower() in _SPLIT_WORDS else 1 for s in unique}
+    while True:
+        names = {s: "_".join(parts(s)[-depth[s]:]) for s in unique}
+        taken = list(names.values())
+        grow = [s for s in unique if taken.count(names[s]) > 1 and depth[s] < len(parts(s))]
+        if not grow:
+            break
+        for s in grow:
+            depth[s] += 1
+    seen: dict[str, int] = {}
+    for s in unique:
+        seen[names[s]] = seen.get(names[s], 0) + 1
+        if seen[names[s]] > 1:
+            names[s] = f"{names[s]}_{seen[names[s]]}"
+    return names

@@ -1,6 +1,7 @@
 """The user's job end to end: `train.py fit --config configs/quickstart.yaml`, TensorBoard, resume."""
 
 import glob
+import json
 import math
 from pathlib import Path
 
@@ -10,6 +11,7 @@ import yaml
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from qerl.nvfp4 import NVFP4WeightTensor
+from qerl.rewards import RewardFunction
 from train import main
 
 QUICKSTART = str(Path(__file__).parent.parent / "configs" / "quickstart.yaml")
@@ -432,3 +434,61 @@ def test_a_yaml_syntax_error_names_the_config_file(tmp_path, monkeypatch, capsys
         train.cli_entry()
     err = capsys.readouterr().err
     assert code.value.code == 2 and f"in {bad}, line 2, column 7" in err and "<unicode string>" not in err, err
+
+
+class GoldIsOne(RewardFunction):
+    """1 for every completion of a problem whose gold answer is "1", else 0 (whatever was written)."""
+
+    name = "gold_is_one"
+
+    def compute(self, completions, answers):
+        return [float(a == "1") for a in answers]
+
+
+def test_several_training_sources_log_a_reward_curve_each(tmp_path, monkeypatch):
+    """data.train_source as a list: train/reward_by_source/<name> is each source's mean reward in the
+    step's batch (source "ones" scores 1, "twos" 0 by construction), beside train/reward."""
+    monkeypatch.chdir(tmp_path)
+    for name, gold in (("ones", 1), ("twos", 2)):
+        rows = [{"question": f"What is {i} + {gold - i}?", "answer": f"#### {gold}"} for i in range(6)]
+        (tmp_path / f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    cli = main(fast_args(tmp_path, 4), run=False)
+    cli.datamodule.train_source = [str(tmp_path / "ones.jsonl"), str(tmp_path / "twos.jsonl")]
+    cli.datamodule.prompts_per_step = 4
+    rollout = next(cb for cb in cli.trainer.callbacks if type(cb).__name__ == "RolloutCallback")
+    rollout.reward, rollout.overlong_buffer = GoldIsOne(), 0  # (no length shaping on top)
+    cli.trainer.fit(cli.model, datamodule=cli.datamodule)
+
+    values, _ = scalars(f"{tmp_path}/logs")
+    ones, twos = values["train/reward_by_source/ones"], values["train/reward_by_source/twos"]
+    assert ones and twos and set(ones) == {1.0} and set(twos) == {0.0}
+    assert len(ones) + len(twos) >= len(values["train/reward"]) == 4  # each step shows the sources it drew
+
+
+def test_reward_by_source_reduces_sums_and_counts_over_ranks():
+    """Under DDP the per-source means are sum over ranks / count over ranks (a mean of the ranks'
+    means would weight a rank's few rows of a source like another's many): a fake second rank."""
+    from types import SimpleNamespace
+
+    from lightning_modules.step_metrics import StepMetricsMixin
+    from qerl.rollout import Rollout
+
+    other_rank = torch.tensor([[3.0, 0.0, 0.0], [3.0, 1.0, 0.0]], dtype=torch.float64)  # (reward sums; rows) of a, b, c
+
+    class TwoRanks(StepMetricsMixin):
+        device = torch.device("cpu")
+        trainer = SimpleNamespace(datamodule=SimpleNamespace(train_source_names={"a.jsonl": "a", "b.jsonl": "b", "c.jsonl": "c"}),
+                                  strategy=SimpleNamespace(reduce=lambda t, reduce_op: t + other_rank))
+
+        def _world_size(self):
+            return 2
+
+    def rollout(rewards, sources):
+        n = len(rewards)
+        return Rollout(torch.zeros(n, 1, dtype=torch.long), torch.ones(n, 1), torch.zeros(n, 1, dtype=torch.long),
+                       torch.ones(n, 1), torch.zeros(n, 1), torch.tensor(rewards), {}, torch.zeros(n, dtype=torch.bool),
+                       1, 1.0, 1, sources=sources)
+
+    got = TwoRanks()._reward_by_source(rollout([0.0, 0.0, 0.0, 1.0], ["a.jsonl"] * 3 + ["b.jsonl"]))
+    assert got == {"train/reward_by_source/a": 3 / 6, "train/reward_by_source/b": 1 / 2}  # c: no rows, no point
+    assert TwoRanks()._reward_by_source(rollout([1.0], [])) == {}  # a rollout without sources (hand-made)

@@ -15,6 +15,7 @@ from qerl.data import (
     DEFAULT_SYSTEM_PROMPT,
     build_prompt_ids,
     load_examples,
+    source_names,
     synthetic_arithmetic,
 )
 from qerl.answers import extract_boxed, extract_gsm8k_gold
@@ -793,3 +794,17 @@ def test_several_training_sources_are_shuffled_together(tmp_path, tokenizer):
     for bad in ([], [g, None], [""]):
         with pytest.raises(ValueError, match="data.train_source must be a source or a non-empty list"):
             PromptDataModule(train_source=bad)
+    assert dm.train_source_names == {g: "gsm8k", m: "math"}  # the tags of train/reward_by_source/<name>
+    assert {s for b in take(dm, 2) for s in b["sources"]} <= {g, m}
+    assert make_dm(tokenizer, train_source=g).train_source_names == {}  # one source: no per-source curves
+
+
+def test_source_names_are_short_and_distinct():
+    assert source_names(["data/gsm8k/train.jsonl", "data/math500/test.jsonl", "openai/gsm8k"]) == {
+        "data/gsm8k/train.jsonl": "gsm8k_train", "data/math500/test.jsonl": "math500_test", "openai/gsm8k": "gsm8k"}
+    # a clash keeps more of the path; what still clashes is numbered; a repeated source is one name
+    assert source_names(["a/x/train.jsonl", "b/x/train.jsonl"]) == {"a/x/train.jsonl": "a_x_train",
+                                                                    "b/x/train.jsonl": "b_x_train"}
+    assert source_names(["gsm8k.jsonl", "gsm8k.parquet", "gsm8k.jsonl"]) == {"gsm8k.jsonl": "gsm8k",
+                                                                             "gsm8k.parquet": "gsm8k_2"}
+    assert source_names(["synthetic-arithmetic", "./d/"]) == {"synthetic-arithmetic": "synthetic-arithmetic", "./d/": "d"}

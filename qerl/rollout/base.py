@@ -206,6 +206,7 @@ class Rollout:
     prompts: list[str] = field(default_factory=list)
     completions: list[str] = field(default_factory=list)
     answers: list[str] = field(default_factory=list)
+    sources: list[str] = field(default_factory=list)  # (N,) the training source each prompt came from
     timings: dict[str, float] = field(default_factory=dict)
     # DAPO dynamic sampling: groups generated but not trained on -- zero-signal ones (0 when all were:
     # they train) and mixed ones beyond the batch (a refill's surplus, a DDP rank's surplus)
