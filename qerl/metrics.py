@@ -13,7 +13,9 @@ majority voting) is 1 when the most frequent answer among the n samples is right
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
+from fractions import Fraction
 
 import torch
 from torchmetrics import Metric
@@ -32,20 +34,48 @@ def pass_at_k(n: int, c: int, k: int) -> float:
     return 1.0 - prob_all_wrong
 
 
+_LATEX_NOISE = re.compile(r"\\[!,;: ]|\\?\$|\{,\}|\\(?:left|right)(?![a-zA-Z])")
+_OUTER_PARENS = re.compile(r"^\\?\((.*?)\\?\)$")
+_THOUSANDS = re.compile(r"(?<=\d),(?=\d{3}(?!\d))")
+_FRACTION = re.compile(r"^([-+]?)\\[dt]?frac\{?([-+]?\d+)\}?\{?(\d+)\}?$|^([-+]?\d+)/(\d+)$")
+_DECIMAL = re.compile(r"^[-+]?(?:\d+(?:\.\d*)?|\.\d+)$")
+
+
+def vote_key(answer: str | None) -> str:
+    """What a wrong answer votes for: its exact value when it is a number -- an integer, a decimal
+    or a fraction (``\\frac{1}{2}``, ``\\dfrac12``, ``1/2``, ``0.5`` alike), also with thousands
+    commas, ``$``, LaTeX spacing or outer parentheses (``1,000``, ``$1000``, ``1000.0``, ``1\\,000``
+    alike; ``2, 100`` stays a pair) -- else its text without blanks; "" for no answer (no vote)."""
+    if answer is None:
+        return ""
+    text = "".join(answer.split())
+    bare = "".join(_THOUSANDS.sub("", answer).split())  # (commas first: blanks tell "2, 100" apart)
+    bare = _OUTER_PARENS.sub(r"\1", _LATEX_NOISE.sub("", bare))
+    if len(bare) > 64:  # not a number anyone writes; and the fraction pattern would backtrack
+        return text
+    if _DECIMAL.match(bare):
+        return str(Fraction(bare))
+    if (m := _FRACTION.match(bare)) and int(m[3] or m[5]) != 0:
+        sign, num, den = (m[1], m[2], m[3]) if m[2] is not None else ("", m[4], m[5])
+        return str(Fraction(int(num), int(den)) * (-1 if sign == "-" else 1))
+    return text
+
+
 def majority_vote(correct: Sequence[bool], answers: Sequence[str | None]) -> float:
     """maj@n of one problem: whether the most frequent of its n sampled answers is right.
 
     The right samples are one vote (the grader found each equal to the gold, so they are equal to
-    each other whatever their spelling: ``0.5`` and ``\\frac{1}{2}``); wrong ones vote by their
-    extracted answer with blanks removed, and a sample without an answer does not vote. A tie with a
-    wrong answer counts as the chance of winning it by a coin flip (1 / number of tied answers).
+    each other whatever their spelling: ``0.5`` and ``\\frac{1}{2}``); wrong ones vote by
+    :func:`vote_key` (one value for each number however written, else the text without blanks),
+    and a sample without an answer does not vote. A tie with a wrong answer counts as the chance of
+    winning it by a coin flip (1 / number of tied answers).
     """
     if len(correct) != len(answers):
         raise ValueError(f"{len(correct)} correctness flags for {len(answers)} answers")
     right = sum(bool(c) for c in correct)
     wrong: dict[str, int] = {}
     for ok, answer in zip(correct, answers):
-        key = "".join(answer.split()) if answer is not None else ""
+        key = vote_key(answer)
         if not ok and key:
             wrong[key] = wrong.get(key, 0) + 1
     if right == 0:

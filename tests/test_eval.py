@@ -83,6 +83,9 @@ def test_pass_at_1_stays_greedy_and_pass_k_from_more_samples():
     ([1, 1, 0, 0, 0, 0], ["2", "2", "3", "3", "4", "4"], 1 / 3),  # a three-way tie
     ([0, 0], ["3", "4"], 0.0),
     ([1, 1], ["2", "2"], 1.0),
+    ([1, 0, 0], ["5", "1,000", "$1000"], 0.0),  # one wrong value however written: 2 votes beat 1
+    ([1, 0, 0], ["5", "0.5", "\\frac{1}{2}"], 0.0),
+    ([1, 0, 0], ["5", "2, 100", "2100"], 1 / 3),  # a pair is not a number: a three-way tie
 ])
 def test_majority_vote(correct, answers, expected):
     from qerl.metrics import majority_vote
@@ -341,3 +344,17 @@ def test_non_finite_eval_settings_fail_at_construction(bad):
 
     with pytest.raises(ValueError, match=f"model.eval.{next(iter(bad))} must be"):
         EvalSettings(**bad)
+
+
+def test_vote_key_merges_spellings_of_one_number_only():
+    from qerl.metrics import vote_key
+
+    for spellings in (["1,000", "$1000", "1000.0", "1\\,000", "\\(1000\\)"],
+                      ["0.5", ".5", "\\frac{1}{2}", "\\dfrac12", "1/2", "\\left(\\frac{1}{2}\\right)"],
+                      ["-\\frac{1}{2}", "\\frac{-1}{2}", "-1/2", "-0.5"]):
+        assert len({vote_key(a) for a in spellings}) == 1, spellings
+    assert len({vote_key(a) for a in ["2, 100", "2100", "(1,2)", "x+1", "10\\%", "1/0"]}) == 6
+    assert vote_key(None) == vote_key("") == vote_key("  ") == ""
+    assert vote_key(" x + 1 ") == "x+1"
+    long = "\\frac" + "1" * 20_000 + "x"  # adversarial: returned as text at once, no backtracking
+    assert vote_key(long) == long
