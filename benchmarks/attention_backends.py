@@ -2,8 +2,9 @@
 
     python benchmarks/attention_backends.py [--shape 7b|0.5b] [--batch 8] [--seqs 512,1024,2048] [--out PATH]
 
-The trainer's passes (``QeRLModule.training_step``) run inside ``qerl.attention_masks.without_cudnn_attention``
-because cuDNN's attention gave non-finite gradients on the H200 (results/nonfinite_hunt_h200.json). This
+cuDNN's attention gave non-finite gradients on the H200 (results/nonfinite_hunt_h200.json); the trainer
+recomputes such an update inside ``qerl.attention_masks.without_cudnn_attention`` (and runs every pass
+there with ``model.cudnn_attention: false``): what that costs when it runs is measured here. This
 times one layer's ``scaled_dot_product_attention`` forward + backward (bf16, K/V heads repeated as
 transformers' sdpa path does, a left-padded boolean mask with each padding query seeing itself: the
 trainer's mask) under each backend -- cuDNN, memory-efficient, math -- and ``flash`` on the same

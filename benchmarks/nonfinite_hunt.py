@@ -31,7 +31,7 @@ class Hunt:
     def __init__(self, max_findings: int = 200):
         self.max_findings = max_findings
         self.findings: list[dict] = []
-        self._phase, self._mask, self._first_grad = "", None, None
+        self._phase, self._mask, self._padding, self._first_grad = "", None, None, None
 
     def report(self, **finding) -> None:
         if len(self.findings) < self.max_findings:
@@ -46,9 +46,10 @@ class Hunt:
             finite = torch.isfinite(out)
             if not bool(finite.all()):
                 rows = None  # non-finite rows at real tokens / at padding, when the shape says which is which
-                if self._mask is not None and self._mask.dim() == 2 and out.dim() == 3 and out.shape[:2] == self._mask.shape:
+                mask = self._mask if self._mask is not None and self._mask.dim() == 2 else self._padding
+                if mask is not None and out.dim() == 3 and out.shape[:2] == mask.shape:
                     bad = ~finite.all(-1)
-                    rows = [int((bad & self._mask.bool()).sum()), int((bad & ~self._mask.bool()).sum())]
+                    rows = [int((bad & mask.bool()).sum()), int((bad & ~mask.bool()).sum())]
                 self.report(kind="forward", phase=self._phase, module=name, shape=list(out.shape),
                             non_finite=int((~finite).sum()), real_and_padding_rows=rows)
             if out.requires_grad:
@@ -71,9 +72,18 @@ class Hunt:
 
     def install(self, module_class=None) -> None:
         """Wrap ``module_class._rl_step`` (default: ``QeRLModule``'s) with the checks."""
+        import lightning_modules.qerl_module as qerl_module
+
         if module_class is None:
-            from lightning_modules.qerl_module import QeRLModule as module_class
+            module_class = qerl_module.QeRLModule
         step, hunt = module_class._rl_step, self
+        explicit_mask = qerl_module.left_padding_mask
+
+        def recorded_mask(model, attention_mask):  # the 2-D mask behind the trainer's 4-D one
+            hunt._padding = attention_mask
+            return explicit_mask(model, attention_mask)
+
+        qerl_module.left_padding_mask = recorded_mask
 
         def watched_step(module, batch):
             handles = [module.model.register_forward_pre_hook(hunt._root_pre_hook, with_kwargs=True)]

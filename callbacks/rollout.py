@@ -298,7 +298,8 @@ class RolloutCallback(L.Callback):
         if dm is None or not hasattr(dm, "draw_extra"):
             return None
         extra = dm.draw_extra(num_prompts, seed)
-        return list(extra["prompt_ids"]), list(extra["prompts"]), list(extra["answers"]), list(extra["sources"])
+        sources = list(extra.get("sources") or [""] * len(extra["prompt_ids"]))  # (as the batch's)
+        return list(extra["prompt_ids"]), list(extra["prompts"]), list(extra["answers"]), sources
 
     def _to_rollout(self, groups, num_dropped, pl_module, timings) -> Rollout:
         G, tok = self.group_size, pl_module.tokenizer

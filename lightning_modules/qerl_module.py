@@ -263,7 +263,8 @@ class QeRLModule(ResumeMixin, EvaluationMixin, StepMetricsMixin, L.LightningModu
         t0 = time.perf_counter()
         # x-axis of every scalar of this batch (ours, the callbacks', AQN's): the optimizer step it
         # started at. Lightning uses a logged "step" value as the logger step instead of its batch count.
-        self.log("step", float(self.global_step), on_step=True, on_epoch=False, batch_size=1)
+        first_step = self.global_step
+        self.log("step", float(first_step), on_step=True, on_epoch=False, batch_size=1)
 
         N, T = rollout.completion_ids.shape  # N = prompts * G
         input_ids = torch.cat([rollout.prompt_ids, rollout.completion_ids], 1)  # (N, P+T)
@@ -365,7 +366,12 @@ class QeRLModule(ResumeMixin, EvaluationMixin, StepMetricsMixin, L.LightningModu
                     raw_ratio = torch.exp((old - sampler_logprobs[mb]).clamp(max=20))
                     pre["is_ratio"] += float(masked_mean(raw_ratio, sampled)) * share
                     pre["weight"] += share
-            grad_norm = torch.nn.utils.clip_grad_norm_(self.trainable_parameters(), self.optim_settings.max_grad_norm)
+            # the norm first, clipped only when finite: a NaN norm's clip factor would make every
+            # gradient NaN and hide which ones were (the skip warning names them)
+            params = self.trainable_parameters()
+            grad_norm = torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None])
+            if torch.isfinite(grad_norm):
+                torch.nn.utils.clip_grads_with_norm_(params, self.optim_settings.max_grad_norm, grad_norm)
             return finite, update_loss, update_sums, grad_norm
 
         for update in range(s.updates_per_rollout):
@@ -373,8 +379,8 @@ class QeRLModule(ResumeMixin, EvaluationMixin, StepMetricsMixin, L.LightningModu
             if finite and not torch.isfinite(grad_norm) and cudnn_attention_enabled(self.device):
                 # cuDNN's attention backward gave non-finite gradients on the H200 (qerl.attention_masks):
                 # the same update again without it (2-2.5x slower attention, so only when needed)
-                rank_zero_warn(f"non-finite gradient norm at step {self.global_step} with cuDNN attention: "
-                               "recomputing this update without it")
+                rank_zero_warn(f"non-finite gradient norm at step {self.global_step} (cuDNN attention on, whose "
+                               "backward can give NaN): recomputing this update without it")
                 opt.zero_grad(set_to_none=True)
                 with without_cudnn_attention():
                     finite, update_loss, update_sums, grad_norm = run_update(update)
@@ -404,7 +410,7 @@ class QeRLModule(ResumeMixin, EvaluationMixin, StepMetricsMixin, L.LightningModu
             sched.step()
             self.check_weights_finite()  # before this step's checkpoint
 
-        self._log_step(rollout, sums, losses, grad_norms, pre, time.perf_counter() - t0, lr)
+        self._log_step(rollout, sums, losses, grad_norms, pre, time.perf_counter() - t0, lr, first_step)
 
     # ---------------------------------------------------------------- the adapter
     def on_train_end(self) -> None:

@@ -19,9 +19,10 @@ class StepMetricsMixin:
     """Logging and rank reductions of ``QeRLModule`` (expects ``warn_after_steps``, ``_streaks`` and
     ``_world_size`` from the module and ``ResumeMixin``)."""
 
-    def _log_step(self, rollout: Rollout, sums, losses, grad_norms, pre, train_time, lr) -> None:
-        """One point per curve for this rollout batch; the update scalars are means over the applied
-        updates (NaN when every update was skipped: nothing was trained on)."""
+    def _log_step(self, rollout: Rollout, sums, losses, grad_norms, pre, train_time, lr, step: int) -> None:
+        """One point per curve for this rollout batch (at ``step``, the optimizer step it started at);
+        the update scalars are means over the applied updates (NaN when every update was skipped:
+        nothing was trained on)."""
         G = rollout.group_size
         applied = len(losses)
         update_mean = lambda key: sums.get(key, 0.0) / applied if applied else float("nan")  # noqa: E731
@@ -61,8 +62,12 @@ class StepMetricsMixin:
         self.log_dict(metrics, on_step=True, on_epoch=False, batch_size=rewards.numel(), sync_dist=True)
         self.log_dict(longest, on_step=True, on_epoch=False, batch_size=rewards.numel(), sync_dist=True,
                       reduce_fx="max")
-        # (reduced over the ranks already; keys only for the sources in this batch)
-        self.log_dict(self._reward_by_source(rollout), on_step=True, on_epoch=False, batch_size=rewards.numel())
+        # straight to the loggers (rank 0), only the sources this batch drew: through self.log a key
+        # left out would repeat its last value (Lightning keeps on-step values); reduced over ranks
+        by_source = self._reward_by_source(rollout)
+        if by_source and self.trainer.is_global_zero:
+            for logger in self.loggers:
+                logger.log_metrics(by_source, step=step)
         self._warn_on_silent_failures(float(metrics["train/frac_reward_zero_std"]), float(metrics["train/clipped_ratio"]))
 
     def _reward_by_source(self, rollout: Rollout) -> dict[str, float]:

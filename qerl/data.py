@@ -339,7 +339,7 @@ def source_names(sources: list[str]) -> dict[str, str]:
     def parts(source: str) -> list[str]:
         path = source.rstrip("/")
         for suffix in _DATA_SUFFIXES:
-            path = path[: -len(suffix)] if path.endswith(suffix) else path
+            path = path[: -len(suffix)] if path.lower().endswith(suffix) else path
         return [p for p in path.split("/") if p not in ("", ".", "..")] or [source]
 
     unique = list(dict.fromkeys(sources))
@@ -352,9 +352,12 @@ def source_names(sources: list[str]) -> dict[str, str]:
             break
         for s in grow:
             depth[s] += 1
-    seen: dict[str, int] = {}
-    for s in unique:
-        seen[names[s]] = seen.get(names[s], 0) + 1
-        if seen[names[s]] > 1:
-            names[s] = f"{names[s]}_{seen[names[s]]}"
+    taken: set[str] = set()
+    for s in unique:  # the first keeps the name, the others the first free "<name>_<k>"
+        name, k = names[s], 1
+        while name in taken:
+            k += 1
+            name = f"{names[s]}_{k}"
+        names[s] = name
+        taken.add(name)
     return names

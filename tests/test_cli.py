@@ -454,15 +454,18 @@ def test_several_training_sources_log_a_reward_curve_each(tmp_path, monkeypatch)
         (tmp_path / f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     cli = main(fast_args(tmp_path, 4), run=False)
     cli.datamodule.train_source = [str(tmp_path / "ones.jsonl"), str(tmp_path / "twos.jsonl")]
-    cli.datamodule.prompts_per_step = 4
+    cli.datamodule.prompts_per_step = 1  # one set per step: the other has no point there
     rollout = next(cb for cb in cli.trainer.callbacks if type(cb).__name__ == "RolloutCallback")
     rollout.reward, rollout.overlong_buffer = GoldIsOne(), 0  # (no length shaping on top)
     cli.trainer.fit(cli.model, datamodule=cli.datamodule)
 
-    values, _ = scalars(f"{tmp_path}/logs")
-    ones, twos = values["train/reward_by_source/ones"], values["train/reward_by_source/twos"]
-    assert ones and twos and set(ones) == {1.0} and set(twos) == {0.0}
-    assert len(ones) + len(twos) >= len(values["train/reward"]) == 4  # each step shows the sources it drew
+    values, acc = scalars(f"{tmp_path}/logs")
+    steps = {name: [e.step for e in acc.Scalars(f"train/reward_by_source/{name}")] for name in ("ones", "twos")}
+    rewards = dict(zip([e.step for e in acc.Scalars("train/reward")], values["train/reward"]))
+    assert steps["ones"] and steps["twos"] and not set(steps["ones"]) & set(steps["twos"])
+    assert sorted(steps["ones"] + steps["twos"]) == sorted(rewards) == [0, 1, 2, 3]  # the optimizer steps
+    assert all(rewards[s] == 1.0 for s in steps["ones"]) and all(rewards[s] == 0.0 for s in steps["twos"])
+    assert set(values["train/reward_by_source/ones"]) == {1.0} and set(values["train/reward_by_source/twos"]) == {0.0}
 
 
 def test_reward_by_source_reduces_sums_and_counts_over_ranks():

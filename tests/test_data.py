@@ -808,3 +808,6 @@ def test_source_names_are_short_and_distinct():
     assert source_names(["gsm8k.jsonl", "gsm8k.parquet", "gsm8k.jsonl"]) == {"gsm8k.jsonl": "gsm8k",
                                                                              "gsm8k.parquet": "gsm8k_2"}
     assert source_names(["synthetic-arithmetic", "./d/"]) == {"synthetic-arithmetic": "synthetic-arithmetic", "./d/": "d"}
+    names = source_names(["a.jsonl", "a.parquet", "a_2.jsonl"])  # numbering never lands on a taken name
+    assert len(set(names.values())) == 3 and names["a.jsonl"] == "a"
+    assert source_names(["data/GSM8K/Train.JSONL", "x.jsonl"])["data/GSM8K/Train.JSONL"] == "GSM8K_Train"
