@@ -320,7 +320,7 @@ class QeRLModule(ResumeMixin, EvaluationMixin, StepMetricsMixin, L.LightningModu
 
         def run_update(update: int):
             """One update's forward + backward over the micro-batches (gradients accumulate); returns
-            (finite loss on every micro-batch, summed loss, its metrics, the clipped gradient norm)."""
+            (finite loss on every micro-batch, summed loss, its metrics, the gradient norm before clipping)."""
             finite, update_loss, update_sums = True, 0.0, {}
             if update == 0:
                 pre.update(entropy=0.0, is_ratio=0.0, weight=0.0)

@@ -74,11 +74,12 @@ class StepMetricsMixin:
         """``train/reward_by_source/<name>`` with several training sources: the mean reward of each
         source's completions in this batch over every rank (sums and counts reduced, not a mean of
         the ranks' means); a source with no prompt in the batch gets no point this step."""
-        names = getattr(self.trainer.datamodule, "train_source_names", None) or {}
-        if not names or len(rollout.sources) != rollout.rewards.numel():
+        names = getattr(self.trainer.datamodule, "train_source_names", None) or {}  # (the same on every rank)
+        if not names:
             return {}
         index = {source: i for i, source in enumerate(names)}
-        rows = torch.tensor([index.get(source, -1) for source in rollout.sources])  # (N,)
+        sources = rollout.sources if len(rollout.sources) == rollout.rewards.numel() else [""] * rollout.rewards.numel()
+        rows = torch.tensor([index.get(source, -1) for source in sources], dtype=torch.long)  # (N,)
         known = rows >= 0
         totals = torch.zeros(2, len(names), dtype=torch.float64)  # (reward sum, completions) per source
         totals[0].index_add_(0, rows[known], rollout.rewards.detach().cpu().double()[known])

@@ -494,4 +494,7 @@ def test_reward_by_source_reduces_sums_and_counts_over_ranks():
 
     got = TwoRanks()._reward_by_source(rollout([0.0, 0.0, 0.0, 1.0], ["a.jsonl"] * 3 + ["b.jsonl"]))
     assert got == {"train/reward_by_source/a": 3 / 6, "train/reward_by_source/b": 1 / 2}  # c: no rows, no point
-    assert TwoRanks()._reward_by_source(rollout([1.0], [])) == {}  # a rollout without sources (hand-made)
+    # a rollout without sources (hand-made) still joins the reduction (the ranks' calls pair up): its
+    # rows count for no set, the other rank's do
+    assert TwoRanks()._reward_by_source(rollout([1.0], [])) == {"train/reward_by_source/a": 1.0,
+                                                                "train/reward_by_source/b": 0.0}
