@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 ROOT = Path(__file__).resolve().parent.parent
 # 2 CPU processes (gloo, fp32) everywhere; 2 GPUs (NCCL, bf16 through the NVFP4 kernels) where there are two
@@ -312,3 +313,62 @@ def _ddp_two_ranks(tmp_path, accelerator: str, dtype: str, edit=None, timeout: i
     report = json.loads(next((tmp_path / "logs").glob("*/version_0/eval/val_step*.json")).read_text())
     indices = [row["index"] for row in report["completions"]["arithmetic"]]
     assert indices == list(range(8)) and report["metrics"]["arithmetic"]["problems"] == 8
+
+
+def test_ddp_reward_by_source_is_over_every_rank(tmp_path):
+    """Two training sets on 2 CPU ranks, rewards that depend on the rank: each set's point is its
+    reward sum over both ranks / its completions over both ranks (not rank 0's view, not a mean of
+    the ranks' means), at the step the batch started."""
+    for name, gold in (("ones", 1), ("twos", 2)):
+        rows = [{"question": f"What is {i} + {gold - i}?", "answer": f"#### {gold}"} for i in range(8)]
+        (tmp_path / f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (tmp_path / "by_source.py").write_text(textwrap.dedent(f"""
+        import torch, torch.distributed as dist, lightning as L
+        from qerl.rewards import RewardFunction
+
+        class RankAndGold(RewardFunction):
+            name = "rank_and_gold"
+
+            def compute(self, completions, answers):
+                rank = dist.get_rank() if dist.is_initialized() else 0
+                return [float(a == "1") + 0.25 * rank + 0.125 * (i % 2) for i, a in enumerate(answers)]
+
+        class RecordRows(L.Callback):
+            rows = []
+
+            def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+                r = batch["rollout"]
+                start = trainer.global_step - pl_module.loss_settings.updates_per_rollout  # (the logged step)
+                self.rows.append((start, list(r.sources), r.rewards.tolist()))
+
+            def on_train_end(self, trainer, pl_module):
+                torch.save(self.rows, f"{tmp_path}/rows{{trainer.global_rank}}.pt")
+    """))
+
+    def two_sets(cfg):
+        cfg["data"]["train_source"] = [str(tmp_path / "ones.jsonl"), str(tmp_path / "twos.jsonl")]
+        cfg["data"]["prompts_per_step"] = 3
+        for cb in cfg["trainer"]["callbacks"]:
+            if cb["class_path"].endswith("RolloutCallback"):
+                cb["init_args"].update(reward={"class_path": "by_source.RankAndGold"}, overlong_buffer=0)
+        cfg["trainer"]["callbacks"].append({"class_path": "by_source.RecordRows"})
+    _ddp_fit(tmp_path, edit=two_sets, timeout=300)
+    sums, per_rank = {}, {}
+    for rank in (0, 1):
+        for step, sources, rewards in torch.load(tmp_path / f"rows{rank}.pt"):
+            for source, reward in zip(sources, rewards):
+                name = "ones" if source.endswith("ones.jsonl") else "twos"
+                total, count = sums.get((step, name), (0.0, 0))
+                sums[(step, name)] = (total + reward, count + 1)
+                per_rank[(rank, step, name)] = per_rank.get((rank, step, name), 0) + 1
+    # not vacuous: somewhere the ranks drew a set unequally often (there a mean of the ranks' means differs)
+    assert any(per_rank.get((0, step, name), 0) != per_rank.get((1, step, name), 0) for step, name in sums)
+    files = list((tmp_path / "logs").glob("**/events.out.tfevents.*"))
+    acc = EventAccumulator(str(files[0]))
+    acc.Reload()
+    logged = {(e.step, name): e.value for name in ("ones", "twos")
+              for e in (acc.Scalars(f"train/reward_by_source/{name}")
+                        if f"train/reward_by_source/{name}" in acc.Tags()["scalars"] else [])}
+    assert logged and logged.keys() == sums.keys()
+    for key, (total, count) in sums.items():
+        assert logged[key] == pytest.approx(total / count, rel=1e-6), key
