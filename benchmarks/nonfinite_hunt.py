@@ -70,8 +70,9 @@ class Hunt:
         self._mask = kwargs.get("attention_mask")
         return None
 
-    def install(self, module_class=None) -> None:
-        """Wrap ``module_class._rl_step`` (default: ``QeRLModule``'s) with the checks."""
+    def install(self, module_class=None):
+        """Wrap ``module_class._rl_step`` (default: ``QeRLModule``'s) with the checks, and the trainer's
+        mask builder (process-wide) to see the 2-D padding mask; returns the function that undoes both."""
         import lightning_modules.qerl_module as qerl_module
 
         if module_class is None:
@@ -111,6 +112,12 @@ class Hunt:
                 del module.manual_backward
 
         module_class._rl_step = watched_step
+
+        def uninstall():
+            module_class._rl_step = step
+            qerl_module.left_padding_mask = explicit_mask
+
+        return uninstall
 
 
 def main(argv=None) -> None:

@@ -65,9 +65,11 @@ class StepMetricsMixin:
         # straight to the loggers (rank 0), only the sources this batch drew: through self.log a key
         # left out would repeat its last value (Lightning keeps on-step values); reduced over ranks
         by_source = self._reward_by_source(rollout)
-        if by_source and self.trainer.is_global_zero:
+        writes = getattr(self.trainer._logger_connector, "should_update_logs", True)  # (log_every_n_steps)
+        if by_source and writes and self.trainer.is_global_zero:
             for logger in self.loggers:
                 logger.log_metrics(by_source, step=step)
+                logger.save()
         self._warn_on_silent_failures(float(metrics["train/frac_reward_zero_std"]), float(metrics["train/clipped_ratio"]))
 
     def _reward_by_source(self, rollout: Rollout) -> dict[str, float]:

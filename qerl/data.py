@@ -352,8 +352,13 @@ def source_names(sources: list[str]) -> dict[str, str]:
             break
         for s in grow:
             depth[s] += 1
-    taken: set[str] = set()
-    for s in unique:  # the first keeps the name, the others the first free "<name>_<k>"
+    taken = set(names.values())  # every natural name is reserved: a clash's later members number on
+    first = {}
+    for s in unique:
+        first.setdefault(names[s], s)
+    for s in unique:
+        if first[names[s]] == s:
+            continue
         name, k = names[s], 1
         while name in taken:
             k += 1

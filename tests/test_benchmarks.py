@@ -144,3 +144,22 @@ def test_nonfinite_hunt_runs_train_py_and_writes_its_findings(tmp_path):
     assert "HUNT done: 0 findings" in r.stdout
     assert json.loads(out.read_text())["findings"] == []
     assert glob.glob(f"{tmp_path}/logs/**/events.out.tfevents.*", recursive=True)
+
+
+def test_nonfinite_hunt_tells_real_rows_from_padding_rows():
+    """A non-finite forward output is reported with how many of its rows are real tokens and how many
+    padding, read off the 2-D mask behind the trainer's 4-D one."""
+    import torch
+
+    spec = importlib.util.spec_from_file_location("nonfinite_hunt", os.path.join(ROOT, "benchmarks", "nonfinite_hunt.py"))
+    hunt_module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(hunt_module)
+    hunt = hunt_module.Hunt()
+    hunt._mask = torch.ones(2, 1, 3, 3, dtype=torch.bool)  # what the model was fed
+    hunt._padding = torch.tensor([[0, 1, 1], [1, 1, 1]])  # row 0's first token is padding
+    out = torch.zeros(2, 3, 4)
+    out[0, 0, 1], out[1, 2, 0], out[1, 2, 3] = float("nan"), float("inf"), float("nan")
+    hunt._forward_hook("layers.0.mlp")(None, (), out)
+    (finding,) = hunt.findings
+    assert finding["module"] == "layers.0.mlp" and finding["non_finite"] == 3
+    assert finding["real_and_padding_rows"] == [1, 1]  # (1, 2) is real, (0, 0) padding

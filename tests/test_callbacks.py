@@ -55,11 +55,12 @@ def test_dynamic_sampling_drops_flat_groups_and_refills():
     cb = RolloutCallback(reward=CharIsA(), group_size=2, sampling=SamplingSettings(max_new_tokens=4),
                          dynamic_sampling=True, max_refill_rounds=2)
     cb.engine = ScriptedEngine(script)
-    extra = {"prompt_ids": [p_extra], "prompts": ["z"], "answers": ["-"]}
-    batch = {"prompt_ids": [p_flat, p_mixed], "prompts": ["x", "y"], "answers": ["-", "-"]}
+    extra = {"prompt_ids": [p_extra], "prompts": ["z"], "answers": ["-"], "sources": ["refill.jsonl"]}
+    batch = {"prompt_ids": [p_flat, p_mixed], "prompts": ["x", "y"], "answers": ["-", "-"], "sources": ["a", "b"]}
     cb.on_train_batch_start(_trainer([cb], extra), module, batch, 0)
     rollout = batch["rollout"]
     assert rollout.prompts == ["y", "y", "z", "z"]  # the flat group is gone, one refill took its place
+    assert rollout.sources == ["b", "b", "refill.jsonl", "refill.jsonl"]  # each row keeps its prompt's set
     assert rollout.rewards.tolist() == [1.0, 0.0, 0.0, 1.0]
     assert rollout.num_groups_dropped == 1
     assert rollout.completion_mask.sum().item() == 4

@@ -808,6 +808,6 @@ def test_source_names_are_short_and_distinct():
     assert source_names(["gsm8k.jsonl", "gsm8k.parquet", "gsm8k.jsonl"]) == {"gsm8k.jsonl": "gsm8k",
                                                                              "gsm8k.parquet": "gsm8k_2"}
     assert source_names(["synthetic-arithmetic", "./d/"]) == {"synthetic-arithmetic": "synthetic-arithmetic", "./d/": "d"}
-    names = source_names(["a.jsonl", "a.parquet", "a_2.jsonl"])  # numbering never lands on a taken name
-    assert len(set(names.values())) == 3 and names["a.jsonl"] == "a"
+    # numbering never lands on a taken name, nor takes another source's own name
+    assert source_names(["a.jsonl", "a.parquet", "a_2.jsonl"]) == {"a.jsonl": "a", "a.parquet": "a_3", "a_2.jsonl": "a_2"}
     assert source_names(["data/GSM8K/Train.JSONL", "x.jsonl"])["data/GSM8K/Train.JSONL"] == "GSM8K_Train"

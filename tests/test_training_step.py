@@ -620,9 +620,12 @@ def test_padding_queries_see_themselves_so_attention_backward_stays_finite(polic
     class Watched(QeRLModule):
         pass
 
-    hunt.install(Watched)
-    with pytest.warns(UserWarning, match=r"non-finite gradient norm \(\d+ of \d+ gradients, first \S+lora_") as seen:
-        lost = fit(policy, mismatched, tmp_path / "two_d", module_class=Watched)
+    uninstall = hunt.install(Watched)
+    try:
+        with pytest.warns(UserWarning, match=r"non-finite gradient norm \(\d+ of \d+ gradients, first \S+lora_") as seen:
+            lost = fit(policy, mismatched, tmp_path / "two_d", module_class=Watched)
+    finally:
+        uninstall()
     assert max_diff(lost.before, lost.after) == 0.0
     # the count is of the gradients the backward broke, not of all: the last layer's o_proj and MLP
     # adapters sit above the failing attention and stay finite (none are NaN-ed by a clip factor)
@@ -675,3 +678,10 @@ def test_update_with_non_finite_cudnn_gradients_is_recomputed_without_cudnn(poli
     assert calls and not any(calls) and torch.backends.cuda.cudnn_sdp_enabled()
     assert not [w for w in seen if "non-finite" in str(w.message)]
     assert_same_update(healthy, without, "cudnn_attention false")
+
+
+def test_gradients_are_clipped_to_max_grad_norm_and_the_norm_before_is_logged(policy, mismatched, tmp_path):
+    run = fit(policy, mismatched, tmp_path / "clip", max_grad_norm=1e-3)
+    applied = torch.cat([g.flatten() for g in run.grads[0]]).norm()
+    assert run.logged["train/grad_norm"] > 1e-2  # the norm before clipping, far above the cap
+    assert applied == pytest.approx(1e-3, rel=1e-4)  # what the optimizer stepped with
