@@ -38,7 +38,7 @@ from decimal import Decimal
 from typing import Any, Literal
 
 from qerl.answers import extract_boxed, extract_gsm8k_gold
-from qerl.data_sources import BadRow as _BadRow, raw_rows as _raw_rows
+from qerl.data_sources import LOCAL_SUFFIXES, SPLIT_WORDS, BadRow as _BadRow, raw_rows as _raw_rows
 from qerl.prompts import DEFAULT_SYSTEM_PROMPT, build_prompt_ids, encode_prompts  # noqa: F401 (re-exported)
 
 logger = logging.getLogger(__name__)
@@ -327,10 +327,6 @@ def synthetic_arithmetic(n: int, seed: int, max_operand: int = 20, exclude: froz
     return out
 
 
-_SPLIT_WORDS = {"train", "training", "test", "testing", "eval", "evaluation", "valid", "validation", "dev", "val"}
-_DATA_SUFFIXES = (".jsonl", ".json", ".parquet")
-
-
 def source_names(sources: list[str]) -> dict[str, str]:
     """Short, distinct names for training sources (the tags of per-source curves): the last part
     of the path or dataset id without its suffix, with its folder when it only names the split
@@ -338,16 +334,17 @@ def source_names(sources: list[str]) -> dict[str, str]:
     would collide keep more of the path, and what still collides is numbered."""
     def parts(source: str) -> list[str]:
         path = source.rstrip("/")
-        for suffix in _DATA_SUFFIXES:
+        for suffix in LOCAL_SUFFIXES:
             path = path[: -len(suffix)] if path.lower().endswith(suffix) else path
         return [p for p in path.split("/") if p not in ("", ".", "..")] or [source]
 
     unique = list(dict.fromkeys(sources))
-    depth = {s: 2 if len(parts(s)) > 1 and parts(s)[-1].lower() in _SPLIT_WORDS else 1 for s in unique}
+    split = {s: parts(s) for s in unique}
+    depth = {s: 2 if len(split[s]) > 1 and split[s][-1].lower() in SPLIT_WORDS else 1 for s in unique}
     while True:
-        names = {s: "_".join(parts(s)[-depth[s]:]) for s in unique}
+        names = {s: "_".join(split[s][-depth[s]:]) for s in unique}
         taken = list(names.values())
-        grow = [s for s in unique if taken.count(names[s]) > 1 and depth[s] < len(parts(s))]
+        grow = [s for s in unique if taken.count(names[s]) > 1 and depth[s] < len(split[s])]
         if not grow:
             break
         for s in grow:

@@ -168,8 +168,8 @@ def _pick_split(ds: Any, split: str, name: str) -> Any:
 # Names `datasets` reads as a split: a lower-case split word at the start or after a separator, and
 # before one or the end (`train.jsonl`, `test-00000-of-00001.parquet`, `gsm8k_test.jsonl`, `data.val.json`;
 # not `Train.jsonl`, which datasets reads as an unnamed file of the train split).
-_SPLIT_NAMED = re.compile(r"(?:^|[-._ 0-9])(?:train|training|test|testing|eval|evaluation|valid|validation|dev|val)"
-                          r"(?:[-._ 0-9]|$)")
+SPLIT_WORDS = ("train", "training", "test", "testing", "eval", "evaluation", "valid", "validation", "dev", "val")
+_SPLIT_NAMED = re.compile(rf"(?:^|[-._ 0-9])(?:{'|'.join(SPLIT_WORDS)})(?:[-._ 0-9]|$)")
 
 
 def _read_directory(path: Path, split: str, config: str | None = None) -> Iterator[_RawRow]:
