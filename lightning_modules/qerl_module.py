@@ -374,6 +374,7 @@ class QeRLModule(ResumeMixin, EvaluationMixin, StepMetricsMixin, L.LightningModu
                 torch.nn.utils.clip_grads_with_norm_(params, self.optim_settings.max_grad_norm, grad_norm)
             return finite, update_loss, update_sums, grad_norm
 
+        recomputed = 0  # updates recomputed without cuDNN attention (train/updates_recomputed)
         for update in range(s.updates_per_rollout):
             finite, update_loss, update_sums, grad_norm = run_update(update)
             if finite and not torch.isfinite(grad_norm) and cudnn_attention_enabled(self.device):
@@ -382,6 +383,7 @@ class QeRLModule(ResumeMixin, EvaluationMixin, StepMetricsMixin, L.LightningModu
                 rank_zero_warn(f"non-finite gradient norm at step {self.global_step} (cuDNN attention on, whose "
                                "backward can give NaN): recomputing this update without it")
                 opt.zero_grad(set_to_none=True)
+                recomputed += 1
                 with without_cudnn_attention():
                     finite, update_loss, update_sums, grad_norm = run_update(update)
             if not finite or not torch.isfinite(grad_norm):
@@ -410,7 +412,8 @@ class QeRLModule(ResumeMixin, EvaluationMixin, StepMetricsMixin, L.LightningModu
             sched.step()
             self.check_weights_finite()  # before this step's checkpoint
 
-        self._log_step(rollout, sums, losses, grad_norms, pre, time.perf_counter() - t0, lr, first_step)
+        updates = {"skipped": s.updates_per_rollout - len(losses), "recomputed": recomputed}
+        self._log_step(rollout, sums, losses, grad_norms, pre, time.perf_counter() - t0, lr, first_step, updates)
 
     # ---------------------------------------------------------------- the adapter
     def on_train_end(self) -> None:

@@ -19,10 +19,12 @@ class StepMetricsMixin:
     """Logging and rank reductions of ``QeRLModule`` (expects ``warn_after_steps``, ``_streaks`` and
     ``_world_size`` from the module and ``ResumeMixin``)."""
 
-    def _log_step(self, rollout: Rollout, sums, losses, grad_norms, pre, train_time, lr, step: int) -> None:
+    def _log_step(self, rollout: Rollout, sums, losses, grad_norms, pre, train_time, lr, step: int,
+                  updates: dict[str, int]) -> None:
         """One point per curve for this rollout batch (at ``step``, the optimizer step it started at);
         the update scalars are means over the applied updates (NaN when every update was skipped:
-        nothing was trained on)."""
+        nothing was trained on). ``updates``: how many of the batch's updates were skipped (non-finite)
+        and how many recomputed without cuDNN attention."""
         G = rollout.group_size
         applied = len(losses)
         update_mean = lambda key: sums.get(key, 0.0) / applied if applied else float("nan")  # noqa: E731
@@ -49,6 +51,9 @@ class StepMetricsMixin:
             "train/grad_norm": sum(grad_norms) / len(grad_norms) if grad_norms else float("nan"),
             "train/lr": lr,
             "train/groups_dropped": float(rollout.num_groups_dropped),
+            # the same on every rank (decided together); 0 in a healthy run
+            "train/updates_skipped": float(updates["skipped"]),
+            "train/updates_recomputed": float(updates["recomputed"]),
             "time/train": train_time,
         }
         for name, values in rollout.reward_components.items():

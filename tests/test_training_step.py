@@ -278,6 +278,8 @@ def test_a_skipped_update_logs_no_partial_values(policy, mismatched, tmp_path):
     for key in ("train/entropy", "train/is_ratio/mean"):
         assert abs(skipped.logged[key] - clean.logged[key]) <= 1e-6 * abs(clean.logged[key]), key
     assert skipped.trainer.global_step == 2
+    assert skipped.logged["train/updates_skipped"] == 2 and clean.logged["train/updates_skipped"] == 0
+    assert skipped.logged["train/updates_recomputed"] == 0  # (a non-finite loss is not cuDNN's: no retry)
 
 
 def test_completion_logprobs_feed_no_column_past_the_completion(policy, mismatched):
@@ -668,6 +670,9 @@ def test_update_with_non_finite_cudnn_gradients_is_recomputed_without_cudnn(poli
     assert recovered.steps_per_batch == [2] and len(recovered.grads) == 2
     assert_same_update(healthy, recovered, "recomputed without cuDNN")
     assert recovered.logged["train/loss"] == pytest.approx(healthy.logged["train/loss"], rel=1e-5)
+    # both updates failed with cuDNN and were recomputed: visible in TensorBoard, none skipped
+    assert recovered.logged["train/updates_recomputed"] == 2 and recovered.logged["train/updates_skipped"] == 0
+    assert healthy.logged["train/updates_recomputed"] == 0
     assert True in calls and False in calls and torch.backends.cuda.cudnn_sdp_enabled()
 
     calls.clear()  # model.cudnn_attention: false keeps cuDNN out of every pass: nothing to recompute
