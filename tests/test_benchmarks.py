@@ -52,6 +52,24 @@ def test_train_step_benchmark_tiny(tmp_path):
     assert abs(rows["bf16"]["weights_gb"] * 1024 ** 3 - 2 * sum(p.numel() for p in ref.parameters())) < 1
 
 
+def test_train_step_benchmark_left_padded_with_and_without_cudnn(tmp_path):
+    """``--left-pad``: the rows fed with the trainer's explicit mask; ``--cudnn-attention on,off``:
+    one row per setting, the second against the first (on the CPU both run the same attention)."""
+    out = tmp_path / "ts.json"
+    r = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "train_step.py"), "--shape", "tiny",
+                        "--arms", "nvfp4", "--batch", "3", "--seq", "17", "--left-pad", "6", "--skip-gen",
+                        "--cudnn-attention", "on,off", "--out", str(out)],
+                       capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert r.returncode == 0, r.stderr[-3000:]
+    res = json.loads(out.read_text())
+    assert [(row["cudnn_attention"], row["left_pad"]) for row in res["rows"]] == [(True, 6), (False, 6)]
+    assert set(res["rows"][1]["vs_cudnn"]) == {"weights_gb", "train_step_s", "train_host_s", "train_peak_gb"}
+    assert res["meta"]["left_pad"] == 6
+    bad = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "train_step.py"), "--shape", "tiny",
+                          "--seq", "17", "--left-pad", "16"], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert bad.returncode == 2 and "--left-pad must be in [0, seq - 1)" in bad.stderr
+
+
 def test_rollout_hf_benchmark_tiny_every_variant(tmp_path):
     spec = importlib.util.spec_from_file_location("rollout_hf_bench", os.path.join(ROOT, "benchmarks", "rollout_hf.py"))
     rollout_hf = importlib.util.module_from_spec(spec)
