@@ -79,8 +79,9 @@ class QeRLModule(ResumeMixin, EvaluationMixin, StepMetricsMixin, L.LightningModu
             the embedded engine generates), and the NVFP4 q/k/v and gate/up bases as one linear each
             (``qerl.rollout.fast_linears.fused_base_projections``); false: transformers' eager ops.
         cudnn_attention: let SDPA pick its cuDNN backend in the training passes (the fastest with a
-            padding mask on Hopper); an update whose gradient comes out non-finite with it is recomputed
-            once without it. false: never (1.9-2.5x slower masked attention; ``qerl.attention_masks``).
+            padding mask on Hopper); the first update whose gradient comes out non-finite with it is
+            recomputed without it, and the run trains without it from then on. false: never (1.9-2.5x
+            slower masked attention, ~5% of a 7B update; ``qerl.attention_masks``).
         seed: seeds the tiny model's random init (real models ignore it); null: ``seed_everything``.
         warn_after_steps: warn when reward std is 0 or >= 90% of completions are truncated this many rollout
             batches in a row.
@@ -123,6 +124,7 @@ class QeRLModule(ResumeMixin, EvaluationMixin, StepMetricsMixin, L.LightningModu
         self.noisy_norms = None
         self.aqn_apply_to: Literal["rollout", "both"] = "both"
         self._streaks = {"zero_std": 0, "truncated": 0, "skipped": 0}
+        self._cudnn_failed = False  # cuDNN attention gave a non-finite gradient: off for the rest of the run
 
     # ---------------------------------------------------------------- model
     @property
@@ -248,7 +250,8 @@ class QeRLModule(ResumeMixin, EvaluationMixin, StepMetricsMixin, L.LightningModu
         return stack
 
     def training_step(self, batch: dict, batch_idx: int):
-        attention = contextlib.nullcontext() if self.cudnn_attention else without_cudnn_attention()
+        cudnn = self.cudnn_attention and not self._cudnn_failed
+        attention = contextlib.nullcontext() if cudnn else without_cudnn_attention()
         with self._fused_ops(), attention:
             self._rl_step(batch)
 
@@ -376,12 +379,16 @@ class QeRLModule(ResumeMixin, EvaluationMixin, StepMetricsMixin, L.LightningModu
 
         recomputed = 0  # updates recomputed without cuDNN attention (train/updates_recomputed)
         for update in range(s.updates_per_rollout):
-            finite, update_loss, update_sums, grad_norm = run_update(update)
+            with without_cudnn_attention() if self._cudnn_failed else contextlib.nullcontext():
+                finite, update_loss, update_sums, grad_norm = run_update(update)
             if finite and not torch.isfinite(grad_norm) and cudnn_attention_enabled(self.device):
                 # cuDNN's attention backward gave non-finite gradients on the H200 (qerl.attention_masks):
-                # the same update again without it (2-2.5x slower attention, so only when needed)
+                # the same update again without it, and the rest of the run without it (the shapes that
+                # fail tend to recur: a recompute costs a whole update, leaving cuDNN out ~5% of one)
                 rank_zero_warn(f"non-finite gradient norm at step {self.global_step} (cuDNN attention on, whose "
-                               "backward can give NaN): recomputing this update without it")
+                               "backward can give NaN): recomputing this update without it and training without "
+                               "it from now on (model.cudnn_attention: false leaves it out from the start)")
+                self._cudnn_failed = True
                 opt.zero_grad(set_to_none=True)
                 recomputed += 1
                 with without_cudnn_attention():
