@@ -1,9 +1,9 @@
 """Reward functions for math RL (GRPO/DAPO): answer extraction, math-verify accuracy, format.
 
-Every reward is a `RewardFunction`: ``reward(completions, answers) -> list[float]`` where
-``answers`` are gold answers that the data pipeline has already parsed to plain strings
-(e.g. ``extract_gsm8k_gold`` for GSM8K, the ``answer`` field for MATH). YAML configs pick them
-by ``class_path`` (jsonargparse), so constructors take only simple typed keyword arguments::
+Every reward is a `RewardFunction` (``qerl/reward_function.py``): ``reward(completions, answers) ->
+list[float]`` where ``answers`` are gold answers that the data pipeline has already parsed to plain
+strings (e.g. ``extract_gsm8k_gold`` for GSM8K, the ``answer`` field for MATH). YAML configs pick
+them by ``class_path`` (jsonargparse), so constructors take only simple typed keyword arguments::
 
     reward:
       class_path: qerl.rewards.WeightedSum
@@ -31,7 +31,6 @@ import logging
 import math
 import re
 import sys
-import time
 from typing import Any
 
 import math_verify
@@ -43,6 +42,7 @@ from qerl.deadline import call_with_deadline as _deadline
 from qerl.math_parsing import (  # noqa: F401 (re-exported)
     _DIGIT_SEP_RE, _SPACE_SEP_RE, _is_multi_valued, _parse_gold, _parse_pred, _text_number, has_expression,
     is_bare_math)
+from qerl.reward_function import RewardFunction, _warn_limited
 
 logger = logging.getLogger(__name__)
 _WHITESPACE_RE = re.compile(r"\s*")
@@ -64,62 +64,9 @@ class _DropTimeoutDisabledWarning(logging.Filter):
 for _name in ("math_verify.parser", "math_verify.grader"):
     logging.getLogger(_name).addFilter(_DropTimeoutDisabledWarning())
 
-_warn_state = {"last": 0.0, "suppressed": 0}
-
-
-def _warn_limited(message: str, interval_s: float = 30.0) -> None:
-    """Log at most one warning per ``interval_s`` (RL batches can fail thousands of parses)."""
-    now = time.monotonic()
-    if now - _warn_state["last"] >= interval_s:
-        n = _warn_state["suppressed"]
-        extra = f" ({n} similar warnings suppressed)" if n else ""
-        logger.warning("%s%s", message, extra)
-        _warn_state["last"], _warn_state["suppressed"] = now, 0
-    else:
-        _warn_state["suppressed"] += 1
-
-
 # ----------------------------------------------------------------------------------------------
 # Reward functions
 # ----------------------------------------------------------------------------------------------
-
-
-class RewardFunction:
-    """Base class: ``__call__(completions, answers) -> list[float]`` (one reward per completion).
-
-    Subclasses implement `compute`. After each call, ``last_components`` maps reward names to the
-    per-completion values of that call (``{name: values}`` for a single function), so the trainer
-    can log ``train/rewards/<name>`` without knowing the reward's structure.
-    """
-
-    name: str = "reward"
-
-    def __init__(self) -> None:
-        self.last_components: dict[str, list[float]] = {}
-
-    def compute(self, completions: list[str], answers: list[str]) -> list[float]:
-        """Return one float per completion; ``answers[i]`` is the parsed gold of completion i."""
-        raise NotImplementedError
-
-    def __call__(self, completions: list[str], answers: list[str]) -> list[float]:
-        if len(completions) != len(answers):
-            raise ValueError(f"{len(completions)} completions but {len(answers)} answers")
-        values = [float(v) for v in self.compute(list(completions), list(answers))]
-        if len(values) != len(completions):
-            raise ValueError(f"{type(self).__name__}.compute returned {len(values)} rewards for {len(completions)} completions")
-        bad = [i for i, v in enumerate(values) if not math.isfinite(v)]
-        if bad:
-            # one NaN would reach its group's advantages and the loss, and the whole update would be
-            # skipped; a reward that cannot grade a completion gives 0, as a failed parse does
-            _warn_limited(f"{type(self).__name__} returned {len(bad)} non-finite rewards of {len(values)} "
-                          f"(first: completion {bad[0]}, {values[bad[0]]}): scored 0.0")
-            values = [v if math.isfinite(v) else 0.0 for v in values]
-        self.last_components = self._components(values)
-        return values
-
-    def _components(self, values: list[float]) -> dict[str, list[float]]:
-        """Per-function values of the call that produced ``values``; composites override this."""
-        return {self.name: values}
 
 
 class MathAccuracy(RewardFunction):

@@ -13,6 +13,7 @@ import time
 
 import pytest
 
+import qerl.reward_function as reward_function
 import qerl.rewards as rewards_module
 from qerl.rewards import (
     FormatReward,
@@ -533,7 +534,7 @@ def test_non_finite_rewards_score_zero_with_a_warning(caplog) -> None:
 
     total = WeightedSum([Flaky(), FormatReward()])
     with caplog.at_level(logging.WARNING, logger="qerl.rewards"):
-        rewards_module._warn_state["last"] = 0.0
+        reward_function._warn_state["last"] = 0.0
         assert total(["a", r"\boxed{1}", "c"], ["1"] * 3) == [0.0, 2.0, 0.0]
     assert total.last_components == {"flaky": [0.0, 1.0, 0.0], "format": [0.0, 1.0, 0.0]}
     assert "Flaky returned 2 non-finite rewards of 3" in caplog.text
@@ -700,7 +701,7 @@ def test_scored_answer_is_what_the_verdict_compared(completion, answer):
 def test_a_gold_without_an_expression_is_warned(caplog):
     """`#### \\frac{` loads (it is text), but math-verify reads no expression in it: every completion
     of that prompt scores 0 unless it repeats it verbatim -- now said, not silent."""
-    rewards_module._warn_state["last"] = 0.0
+    reward_function._warn_state["last"] = 0.0
     with caplog.at_level(logging.WARNING, logger="qerl.rewards"):
         assert MathAccuracy()(["\\boxed{\\frac{1}{2}}"], ["\\frac{"]) == [0.0]
     assert "reads no expression in the gold answer '\\\\frac{'" in caplog.text
