@@ -63,14 +63,15 @@ import torch
 from torch import nn
 
 from qerl.rollout.base import Generation, RolloutEngine, SamplingSettings, prompt_seeds
+from qerl.rollout.vllm_conversions import (  # noqa: F401 (ALLOWED_LORA_RANKS: re-exported)
+    ALLOWED_LORA_RANKS, adapter_config, adapter_tensors, allowed_lora_rank, hf_to_vllm_norm_name,
+    outputs_to_generation, sampling_params_kwargs)
 from qerl.seeding import global_rng_state, set_global_rng_state
 from qerl.rollout.vllm_worker import copy_norm_scales, install_tensor_lora_loader, max_model_len
 
 log = logging.getLogger(__name__)
 
-ALLOWED_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # vllm/config/lora.py MaxLoRARanks
 IN_MEMORY_PATH = "qerl-in-memory-adapter"  # LoRARequest needs a non-empty path; our loader never reads it
-_PEFT_PREFIX = "base_model.model."
 
 
 @dataclass
@@ -109,90 +110,7 @@ class VLLMSettings:
                                  "rank (DDP: each rank runs its own vLLM)")
 
 
-# ----------------------------------------------------------------------------- pure helpers
-def allowed_lora_rank(rank: int) -> int:
-    """The smallest rank vLLM accepts as ``max_lora_rank`` that is >= ``rank``."""
-    for r in ALLOWED_LORA_RANKS:
-        if r >= rank:
-            return r
-    raise ValueError(f"LoRA rank {rank} exceeds vLLM's largest max_lora_rank {ALLOWED_LORA_RANKS[-1]}")
-
-
-def hf_to_vllm_norm_name(name: str) -> str:
-    """vLLM parameter name of a norm given by HF module or parameter name, peft-wrapped or not:
-    ``base_model.model.model.layers.3.input_layernorm`` -> ``model.layers.3.input_layernorm.weight``.
-    Qwen2/Qwen3/Llama norms keep their HF names in vLLM (vllm.md §3.2)."""
-    name = name[len(_PEFT_PREFIX):] if name.startswith(_PEFT_PREFIX) else name
-    parts, out, skip = name.split("."), [], False
-    for p in parts:
-        if skip:  # the adapter name after `modules_to_save`
-            skip = False
-        elif p == "modules_to_save":
-            skip = True
-        elif p not in ("base_layer", "original_module"):
-            out.append(p)
-    return ".".join(out if out[-1] == "weight" else [*out, "weight"])
-
-
-def adapter_tensors(peft_model: nn.Module) -> dict[str, torch.Tensor]:
-    """The LoRA A/B tensors under PEFT file names (``base_model.model.<m>.lora_A.weight``, no
-    adapter name), as fresh CPU copies: vLLM scales B in place when it loads them."""
-    from peft.utils import get_peft_model_state_dict
-
-    state = get_peft_model_state_dict(peft_model)
-    tensors = {k: v.detach().to("cpu", copy=True).contiguous() for k, v in state.items()
-               if k.endswith((".lora_A.weight", ".lora_B.weight"))}
-    # anything else peft trains (an embedding's lora_embedding_A/B, DoRA's magnitudes) would not reach
-    # vLLM: it would sample from another policy than the one trained
-    left_out = sorted(k for k in state if k not in tensors and "lora_" in k)
-    if left_out:
-        raise ValueError(f"the vLLM engine pushes LoRA A/B of linears only, not {left_out[:3]}"
-                         f"{' ...' if len(left_out) > 3 else ''}: drop those modules from model.lora.target_modules "
-                         "or use engine: hf")
-    return tensors
-
-
-def adapter_config(peft_model: nn.Module) -> dict[str, Any]:
-    """The active adapter's config in the fields vLLM's ``PEFTHelper`` reads (no modules_to_save:
-    trainable norms travel as base weights, vllm.md §2)."""
-    if not hasattr(peft_model, "peft_config"):
-        raise ValueError("the vLLM engine needs a peft LoRA policy")
-    cfg = peft_model.peft_config[peft_model.active_adapter]
-    if getattr(cfg, "rank_pattern", None) or getattr(cfg, "alpha_pattern", None) or cfg.use_dora:
-        raise ValueError("vLLM supports one rank/alpha for all modules and no DoRA")
-    targets = cfg.target_modules
-    return {"r": int(cfg.r), "lora_alpha": cfg.lora_alpha, "bias": cfg.bias, "use_rslora": bool(cfg.use_rslora),
-            "use_dora": False, "modules_to_save": None, "peft_type": "LORA",
-            "target_modules": sorted(targets) if isinstance(targets, (set, list, tuple)) else targets}
-
-
-def sampling_params_kwargs(sampling: SamplingSettings, n: int) -> dict[str, Any]:
-    """``SamplingParams`` keyword arguments but the per-request seed. Greedy (temperature <= 0)
-    returns ``n=1`` (vLLM refuses n > 1 when greedy; the caller repeats the prompt). ``logprobs=0``:
-    only the sampled token's log-prob comes back."""
-    common = dict(max_tokens=int(sampling.max_new_tokens), logprobs=0, detokenize=False)
-    if sampling.temperature <= 0:
-        return dict(n=1, temperature=0.0, top_p=1.0, top_k=0, min_p=0.0, **common)
-    return dict(n=int(n), temperature=float(sampling.temperature), top_p=float(sampling.top_p),
-                top_k=max(int(sampling.top_k), 0), min_p=float(sampling.min_p), **common)
-
-
-def outputs_to_generation(request_outputs) -> Generation:
-    """vLLM ``RequestOutput`` list (prompt order) -> ``Generation``, prompt-major, samples by index."""
-    gen = Generation([], [], [])
-    for ro in request_outputs:
-        for _, co in sorted(enumerate(ro.outputs), key=lambda kc: getattr(kc[1], "index", kc[0])):
-            ids = [int(t) for t in co.token_ids]
-            if co.logprobs is None or len(co.logprobs) != len(ids):
-                raise ValueError("vLLM returned no per-token logprobs (SamplingParams.logprobs must be 0)")
-            if co.finish_reason not in ("stop", "length"):
-                raise RuntimeError(f"vLLM finished a completion with {co.finish_reason!r}")
-            gen.completion_ids.append(ids)
-            gen.sampler_logprobs.append([float(pos[t].logprob) for t, pos in zip(ids, co.logprobs)])
-            gen.finish_reasons.append(co.finish_reason)
-    return gen
-
-
+# ----------------------------------------------------------------------------- process state vLLM's start touches
 @contextlib.contextmanager
 def _rng_preserved():
     """Restore Python's, NumPy's and torch's global generators afterwards (vLLM reseeds them)."""
