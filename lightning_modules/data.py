@@ -45,6 +45,7 @@ import lightning as L
 import numpy as np
 from torch.utils.data import DataLoader
 
+from lightning_modules.data_position import DataPosition
 from lightning_modules.prompt_stream import (  # noqa: F401  (BATCH_KEYS, epoch_permutation: re-exported)
     BATCH_KEYS,
     PromptBatch,
@@ -184,9 +185,7 @@ class PromptDataModule(L.LightningDataModule):
         self._raw: dict[tuple[str, str], list[PromptExample]] = {}
         self._encoded: dict[tuple[str, str], tuple[list[PromptExample], list[list[int]]]] = {}
         # Data position: the next unseen training batch, and how many were consumed.
-        self._next_position: tuple[int, int] = (0, 0)
-        self._batches_consumed = 0
-        self._loaded_meta: dict[str, Any] | None = None
+        self._position = DataPosition()
         self._stream: PromptStream | None = None
 
     # ------------------------------------------------------------------ names and tokenizer
@@ -309,14 +308,14 @@ class PromptDataModule(L.LightningDataModule):
         """The infinite training stream, starting at the current data position."""
         examples, ids = self._prepared("train", "train")
         rank, world_size = self._rank_world()
-        self._check_loaded_meta(len(examples), world_size)
+        self._position.check_resumed_settings(self._order_settings(len(examples), world_size))
         self._stream = PromptStream(
             examples, ids, self.prompts_per_step, self.seed, rank=rank, world_size=world_size,
-            start=self._next_position,
+            start=self._position.next_batch,
         )
         return _PromptStreamLoader(
             self._stream,
-            get_start=lambda: self._next_position,
+            get_start=lambda: self._position.next_batch,
             on_yield=self._mark_consumed if self._count_on_yield() else None,
             num_workers=self.num_workers,
         )
@@ -366,15 +365,7 @@ class PromptDataModule(L.LightningDataModule):
         return self.trainer is None
 
     def _mark_consumed(self, batch: Any) -> None:
-        position = getattr(batch, "position", None)
-        if position is None:
-            return
-        epoch, b = position
-        b += 1
-        if self._stream is not None and b >= self._stream.batches_per_epoch:
-            epoch, b = epoch + 1, 0
-        self._next_position = (epoch, b)
-        self._batches_consumed += 1
+        self._position.mark_consumed(batch, self._stream.batches_per_epoch if self._stream is not None else None)
 
     def on_before_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
         """Count a training batch as consumed when the Trainer hands it to the training step."""
@@ -384,41 +375,19 @@ class PromptDataModule(L.LightningDataModule):
 
     def state_dict(self) -> dict[str, Any]:
         """Data position for checkpoints: the next unseen batch ``(epoch, batch_in_epoch)`` and counts."""
-        epoch, b = self._next_position
         n = len(self._encoded[("train", "train")][0]) if ("train", "train") in self._encoded else None
-        return {
-            "epoch": epoch,
-            "batch_in_epoch": b,
-            "batches_consumed": self._batches_consumed,
-            "seed": self.seed,
-            "train_source": str(self.train_source),
-            "prompts_per_step": self.prompts_per_step,
-            "prompt_format": self._prompt_format(),
-            "num_train_prompts": n,
-            "world_size": self._rank_world()[1],
-        }
+        return self._position.state_dict(self._order_settings(n, self._rank_world()[1]))
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         """Restore the data position; the next training iteration starts at the next unseen batch."""
-        self._next_position = (int(state_dict["epoch"]), int(state_dict["batch_in_epoch"]))
-        self._batches_consumed = int(state_dict.get("batches_consumed", 0))
-        self._loaded_meta = dict(state_dict)
+        self._position.load_state_dict(state_dict)
+
+    def _order_settings(self, num_prompts: int | None, world_size: int) -> dict[str, Any]:
+        """What fixes the training order besides the position: saved with it, compared on resume."""
+        return {"seed": self.seed, "train_source": str(self.train_source), "prompts_per_step": self.prompts_per_step,
+                "prompt_format": self._prompt_format(), "num_train_prompts": num_prompts, "world_size": world_size}
 
     def _prompt_format(self) -> str:
         """A short digest of what turns a question into a prompt (system prompt, template, chat
         template variables): a resume that changes it is warned like a changed source."""
         return prompt_format_digest(self.system_prompt, self.prompt_template, self.chat_template_kwargs)
-
-    def _check_loaded_meta(self, num_prompts: int, world_size: int) -> None:
-        meta, self._loaded_meta = self._loaded_meta, None
-        if not meta:
-            return
-        now = {"seed": self.seed, "train_source": str(self.train_source), "prompts_per_step": self.prompts_per_step,
-               "prompt_format": self._prompt_format(), "num_train_prompts": num_prompts, "world_size": world_size}
-        changed = {k: (meta.get(k), v) for k, v in now.items() if meta.get(k) is not None and meta.get(k) != v}
-        if changed:
-            logger.warning(
-                "resuming the data stream with changed settings %s (checkpoint → now); the training order"
-                " after resume differs from the original run",
-                changed,
-            )
