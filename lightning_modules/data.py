@@ -36,7 +36,6 @@ first dataloader is built, so either order works.
 from __future__ import annotations
 
 import logging
-import numbers
 import typing
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -56,6 +55,7 @@ from lightning_modules.prompt_stream import (  # noqa: F401  (BATCH_KEYS, epoch_
     epoch_permutation,
 )
 from qerl.seeding import resolve_seed
+from qerl.settings_checks import require_counts
 from qerl.data import Layout, PromptExample, load_examples, source_names
 from qerl.prompts import DEFAULT_SYSTEM_PROMPT, check_prompt_format, encode_prompts, prompt_format_digest
 
@@ -133,8 +133,8 @@ class PromptDataModule(L.LightningDataModule):
     ):
         super().__init__()
         # every count is checked here, naming its key, not when the first dataloader is built (after
-        # the model has loaded); `not value >= n` also refuses a NaN or a string that slipped through
-        for key, value, least, null in (
+        # the model has loaded)
+        require_counts("data", (
             ("prompts_per_step", prompts_per_step, 1, None),
             ("max_prompt_length", max_prompt_length, 1, None),
             ("max_eval_prompt_length", max_eval_prompt_length, 1, "no limit"),
@@ -143,12 +143,7 @@ class PromptDataModule(L.LightningDataModule):
             ("val_prompts_per_batch", val_prompts_per_batch, 1, "prompts_per_step"),
             ("seed", seed, 0, "seed_everything's"),
             ("num_workers", num_workers, 0, None),
-        ):
-            if value is None and null is not None:
-                continue
-            if isinstance(value, bool) or not isinstance(value, numbers.Integral) or not value >= least:
-                either = f" or null ({null})" if null is not None else ""
-                raise ValueError(f"data.{key} must be >= {least}{either}, an integer; got {value!r}")
+        ))
         if not isinstance(train_source, str) and (
                 not train_source or not all(isinstance(one, str) and one for one in train_source)):
             raise ValueError(f"data.train_source must be a source or a non-empty list of them, got {train_source!r}")

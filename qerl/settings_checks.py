@@ -1,5 +1,6 @@
 """Checks shared by the settings dataclasses (``model.lora``, ``model.loss``, ``model.optimizer``,
-``model.eval``, the rollout's ``sampling``): a bad YAML value fails at start, naming its key."""
+``model.eval``, the rollout's ``sampling``) and the data module's counts (``data.*``): a bad YAML value
+fails at start, naming its key."""
 
 from __future__ import annotations
 
@@ -23,3 +24,15 @@ def require_numbers(settings, section: str) -> None:
             continue
         if not ok or isinstance(value, bool):
             raise ValueError(f"{section}.{f.name} must be {what}, got {'null' if value is None else repr(value)}")
+
+
+def require_counts(section: str, counts) -> None:
+    """Each ``(key, value, least, null)`` of ``counts`` holds an integer >= ``least`` (not a bool), or
+    None where ``null`` says what None means; otherwise a ValueError naming ``<section>.<key>``.
+    ``not value >= least`` also refuses a NaN or a string that slipped through."""
+    for key, value, least, null in counts:
+        if value is None and null is not None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, numbers.Integral) or not value >= least:
+            either = f" or null ({null})" if null is not None else ""
+            raise ValueError(f"{section}.{key} must be >= {least}{either}, an integer; got {value!r}")
