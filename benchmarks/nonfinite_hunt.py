@@ -73,18 +73,19 @@ class Hunt:
     def install(self, module_class=None):
         """Wrap ``module_class._rl_step`` (default: ``QeRLModule``'s) with the checks, and the trainer's
         mask builder (process-wide) to see the 2-D padding mask; returns the function that undoes both."""
+        import lightning_modules.policy_forward as policy_forward
         import lightning_modules.qerl_module as qerl_module
 
         if module_class is None:
             module_class = qerl_module.QeRLModule
         step, hunt = module_class._rl_step, self
-        explicit_mask = qerl_module.left_padding_mask
+        explicit_mask = policy_forward.left_padding_mask
 
         def recorded_mask(model, attention_mask):  # the 2-D mask behind the trainer's 4-D one
             hunt._padding = attention_mask
             return explicit_mask(model, attention_mask)
 
-        qerl_module.left_padding_mask = recorded_mask
+        policy_forward.left_padding_mask = recorded_mask
 
         def watched_step(module, batch):
             handles = [module.model.register_forward_pre_hook(hunt._root_pre_hook, with_kwargs=True)]
@@ -115,7 +116,7 @@ class Hunt:
 
         def uninstall():
             module_class._rl_step = step
-            qerl_module.left_padding_mask = explicit_mask
+            policy_forward.left_padding_mask = explicit_mask
 
         return uninstall
 

@@ -602,7 +602,7 @@ def test_padding_queries_see_themselves_so_attention_backward_stays_finite(polic
     """Row 0's prompt is left-padded: with transformers' own mask its padding queries see nothing,
     and an attention backward like cuDNN's (NaN dq there) loses the update; the trainer's explicit
     mask lets them see themselves, and the update is applied."""
-    import lightning_modules.qerl_module as qerl_module
+    import lightning_modules.policy_forward as policy_forward
 
     sdpa = torch.nn.functional.scaled_dot_product_attention
 
@@ -616,7 +616,7 @@ def test_padding_queries_see_themselves_so_attention_backward_stays_finite(polic
     assert all(torch.isfinite(g).all() for g in applied.grads[0])
     assert max_diff(applied.before, applied.after) > 0.5 * LR
 
-    monkeypatch.setattr(qerl_module, "left_padding_mask", lambda model, attention_mask: attention_mask)
+    monkeypatch.setattr(policy_forward, "left_padding_mask", lambda model, attention_mask: attention_mask)
     hunt = load_benchmark("nonfinite_hunt").Hunt()
 
     class Watched(QeRLModule):
@@ -647,6 +647,7 @@ def test_update_with_non_finite_cudnn_gradients_is_recomputed_without_cudnn(poli
     with the explicit mask): the update is recomputed without cuDNN attention and applied -- the
     same update as a run whose attention never failed -- instead of skipped; the retry's passes,
     checkpoint recompute included, ran with cuDNN off, and it is back on after."""
+    import lightning_modules.policy_forward as policy_forward
     import lightning_modules.qerl_module as qerl_module
 
     sdpa = torch.nn.functional.scaled_dot_product_attention
@@ -661,7 +662,7 @@ def test_update_with_non_finite_cudnn_gradients_is_recomputed_without_cudnn(poli
     healthy = fit(policy, mismatched, tmp_path / "healthy", updates_per_rollout=2,
                   module_kw=dict(gradient_checkpointing=True))
     monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", cudnn_only_bug)
-    monkeypatch.setattr(qerl_module, "left_padding_mask", lambda model, attention_mask: attention_mask)
+    monkeypatch.setattr(policy_forward, "left_padding_mask", lambda model, attention_mask: attention_mask)
     monkeypatch.setattr(qerl_module, "cudnn_attention_enabled", lambda device: torch.backends.cuda.cudnn_sdp_enabled())
     with pytest.warns(UserWarning, match=r"non-finite gradient norm at step 0 \(cuDNN attention on.*recomputing") as seen:
         recovered = fit(policy, mismatched, tmp_path / "recovered", updates_per_rollout=2,
