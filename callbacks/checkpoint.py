@@ -25,7 +25,8 @@ from lightning_modules.checkpointing import TrainingDiverged
 
 class StepCheckpoint(ModelCheckpoint):
     """``ModelCheckpoint`` whose ``{step}`` (file names, ``monitor: step``) is ``trainer.global_step``;
-    with ``save_last`` it also saves ``last`` when a SIGTERM stops the fit."""
+    with ``save_last``, ``last`` is the state a fit ends with (also when ``max_steps`` is not a
+    multiple of ``every_n_train_steps``) and is saved when a SIGTERM stops the fit."""
 
     def on_train_start(self, trainer, pl_module) -> None:
         super().on_train_start(trainer, pl_module)
@@ -36,6 +37,22 @@ class StepCheckpoint(ModelCheckpoint):
             rank_zero_warn(f"{self.dirpath} already holds {', '.join(os.path.basename(p) for p in earlier)} of an earlier "
                            "run: this run's checkpoints go beside them and `--ckpt_path last` picks the newest file; "
                            "resume that run with --ckpt_path last, or give this one its own dirpath")
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        # Lightning saves `last` at the end only when the run saved none: with max_steps 12 and a save
+        # every 10, `last` would hold step 10 while the run (and its adapter/) ended at 12, and
+        # `--ckpt_path last` would quietly evaluate or retrain from step 10
+        if self.save_last and trainer.global_step > 0 and self._last_global_step_saved != trainer.global_step:
+            self._save_last_file(trainer)
+        super().on_train_end(trainer, pl_module)
+
+    def _save_last_file(self, trainer) -> None:
+        """``last`` as a file of this step (``save_last: link`` would link an older step's file)."""
+        save_last, self.save_last = self.save_last, True
+        try:
+            self._save_last_checkpoint(trainer, self._monitor_candidates(trainer))
+        finally:
+            self.save_last = save_last
 
     def on_exception(self, trainer, pl_module, exception: BaseException) -> None:
         if isinstance(exception, TrainingDiverged):  # weights not worth saving (and a save would raise
@@ -50,11 +67,7 @@ class StepCheckpoint(ModelCheckpoint):
         if trainer.validating:
             exception.qerl_validation_step = trainer.global_step
         elif self.save_last:
-            save_last, self.save_last = self.save_last, True  # a file of this step, not a link to an older one
-            try:
-                self._save_last_checkpoint(trainer, self._monitor_candidates(trainer))
-            finally:
-                self.save_last = save_last
+            self._save_last_file(trainer)
 
     def _monitor_candidates(self, trainer) -> dict[str, torch.Tensor]:
         candidates = super()._monitor_candidates(trainer)

@@ -184,6 +184,11 @@ class ResumeMixin:
         self._streaks.update(checkpoint.get("qerl_streaks", {}))
         self._checkpoint_max_steps = checkpoint.get("qerl_max_steps")
         self.checkpoint_step = checkpoint.get("global_step")
+        max_steps = self.trainer.max_steps if fitting and self._trainer is not None else -1
+        if self.checkpoint_step is not None and 0 <= max_steps <= self.checkpoint_step:
+            # (Lightning only logs "max_steps=N reached" and trains nothing)
+            rank_zero_warn(f"the checkpoint is at step {self.checkpoint_step} and trainer.max_steps is {max_steps}: this "
+                           "fit trains nothing; raise trainer.max_steps to continue the run")
         per_rank, world = checkpoint.get("qerl_rng_per_rank"), self._world_size()
         if per_rank is not None and len(per_rank) == world:
             self._resume_rng = per_rank[self.global_rank]

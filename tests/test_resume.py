@@ -344,3 +344,20 @@ def test_settings_sections_left_out_compare_as_their_defaults():
         assert differences(QeRLModule(**kw, optimizer=OptimizerSettings(), eval=EvalSettings()), saved) == ""
         text = differences(QeRLModule(**kw, optimizer=OptimizerSettings(lr=0.5)), saved)
         assert "model.optimizer.lr: 0.5 (config) vs 1e-05 (checkpoint)" in text and "model.eval" not in text, text
+
+
+def test_last_holds_the_final_step_when_max_steps_is_off_the_save_interval(tmp_path, monkeypatch):
+    """Saves every 2 steps, max_steps 5: `last` is step 5 (the state the run and its adapter ended
+    with), not step 4 -- so `--ckpt_path last` continues from 5, and a resume that has nothing left
+    to train says so."""
+    monkeypatch.chdir(tmp_path)
+    cli = main(fast_args(tmp_path, 5), run=False)
+    cli.trainer.checkpoint_callback._every_n_train_steps = 2
+    cli.trainer.fit(cli.model, datamodule=cli.datamodule)
+    names = {p.name for p in (tmp_path / "ckpt").glob("*.ckpt")}
+    assert names == {"epoch=0-step=2.ckpt", "epoch=0-step=4.ckpt", "last.ckpt"}, names
+    last = torch.load(tmp_path / "ckpt" / "last.ckpt", weights_only=False)
+    assert last["global_step"] == 5
+    assert torch.load(tmp_path / "ckpt" / "epoch=0-step=4.ckpt", weights_only=False)["global_step"] == 4
+    with pytest.warns(UserWarning, match="the checkpoint is at step 5 and trainer.max_steps is 5: this fit trains nothing"):
+        main(["fit", *fast_args(tmp_path, 5, ["--ckpt_path", "last"])])
