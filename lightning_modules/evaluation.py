@@ -4,7 +4,8 @@ Used by ``python train.py validate|test --config X`` and by periodic validation 
 (``trainer.val_check_interval``). Completions come from the RolloutCallback's engine: the colocated
 vLLM when training rolls out in vLLM (the same instance; ``eval.engine: hf`` opts out), else the
 embedded engine (the policy's own kernels, static cache + CUDA graphs on GPU), and are scored by
-the same math-verify reward as training. AQN noise is off (the AQNCallback disables it
+the training reward's ``MathAccuracy`` with its settings (``answer_tag``, ``boxed_only``, ...; the
+accuracy alone, without format terms), maj@n voting on the answers it scores. AQN noise is off (the AQNCallback disables it
 for validation and test). Per run and stage, a JSON with every completion and a markdown table of
 the metrics are written to ``<log_dir>/eval/<stage>_step<global_step>.{json,md}``.
 """
@@ -23,7 +24,7 @@ from lightning.pytorch.utilities import rank_zero_warn
 
 from qerl.metrics import PassAtK, majority_vote
 from qerl.model import base_model_only
-from qerl.rewards import MathAccuracy, extract_answer
+from qerl.rewards import MathAccuracy
 from qerl.rollout import SamplingSettings
 from qerl.rollout.base import MIN_TEMPERATURE, derive_seed
 from qerl.settings_checks import require_numbers
@@ -162,6 +163,17 @@ def results_table(results: dict[str, dict[str, float]]) -> list[str]:
     return lines
 
 
+def accuracy_reward(reward) -> MathAccuracy | None:
+    """The ``MathAccuracy`` in a training reward: the reward itself or, depth first, a member of a
+    ``WeightedSum`` (``rewards``); None without one."""
+    if isinstance(reward, MathAccuracy):
+        return reward
+    for member in getattr(reward, "rewards", None) or ():
+        if (found := accuracy_reward(member)) is not None:
+            return found
+    return None
+
+
 class EvaluationMixin:
     """validation_step / test_step for ``QeRLModule`` (expects ``model``, ``tokenizer``, ``eval_settings``)."""
 
@@ -202,11 +214,25 @@ class EvaluationMixin:
         if label.startswith("untrained") and not getattr(self, "_said_untrained", False):
             self._said_untrained = True  # validate / test with neither --ckpt_path nor model.adapter_path
             rank_zero_warn(f"{stage}: no --ckpt_path or model.adapter_path, so this evaluates an {label}")
-        self._evaluation_scorer = MathAccuracy()
+        self._evaluation_scorer = self._eval_scorer()
         self._evaluating_engine = self._eval_engine()  # synced once per evaluation
         self._engine_awake = contextlib.ExitStack()  # vLLM: no sleep between batches, once after
         self._engine_awake.enter_context(self._evaluating_engine.awake())
         self._eval_records = {name: [] for name in self._dataset_names(stage)}
+
+    def _eval_scorer(self) -> MathAccuracy:
+        """The training reward's ``MathAccuracy`` (so ``val/`` accuracy means what ``train/rewards/accuracy``
+        means: an ``answer_tag`` recipe is not scored on boxes); a default one, warned once, when the
+        reward has none or there is no RolloutCallback."""
+        rollout_cb = next((cb for cb in self.trainer.callbacks if hasattr(cb, "ensure_engine")), None)
+        found = accuracy_reward(getattr(rollout_cb, "reward", None))
+        if found is None:
+            found = MathAccuracy()
+            if rollout_cb is not None and not getattr(self, "_said_default_scorer", False):
+                self._said_default_scorer = True
+                rank_zero_warn(f"evaluation: the training reward ({type(rollout_cb.reward).__name__}) holds no "
+                               "qerl.rewards.MathAccuracy; evaluation scores with MathAccuracy()'s defaults")
+        return found
 
     def _eval_step(self, batch: dict, batch_idx: int, dataloader_idx: int, stage: str) -> None:
         s, tok = self.eval_settings, self.tokenizer
@@ -224,7 +250,7 @@ class EvaluationMixin:
         if sampled is not None:
             texts = tok.batch_decode(sampled.completion_ids, skip_special_tokens=True)
             sampled_ok = torch.tensor(scorer(texts, [a for a in answers for _ in range(s.samples)])).view(-1, s.samples)
-            sampled_answers = [extract_answer(t) for t in texts]  # (P * n,): maj@n's votes
+            sampled_answers = [scorer.scored_answer(t) for t in texts]  # (P * n,): maj@n's votes, what was scored
         for i, text in enumerate(greedy_text):
             self._eval_records[name].append({
                 "index": batch["indices"][i] if "indices" in batch else None, "prompt": batch["prompts"][i],
@@ -287,9 +313,10 @@ class EvaluationMixin:
                        "completions": self._eval_records}, f, indent=1)
         lines = results_table(results)
         with open(stem + ".md", "w") as f:
+            sampled = (f", mean@n, maj@n and pass@k from n = {s.samples} samples at T = {s.temperature}, top-p {s.top_p}"
+                       if s.samples > 0 else " (no sampled completions: eval.samples 0)")
             f.write(f"{self.model_name} ({self.quantization}, {self._adapter_label()}), "
-                    f"step {step}; pass@1 is greedy, mean@n and pass@k from n = {s.samples} "
-                    f"samples at T = {s.temperature}, top-p {s.top_p}\n\n" + "\n".join(lines) + "\n")
+                    f"step {step}; pass@1 is greedy{sampled}\n\n" + "\n".join(lines) + "\n")
 
     # Lightning hooks
     def on_validation_epoch_start(self) -> None:

@@ -20,6 +20,8 @@ from fractions import Fraction
 import torch
 from torchmetrics import Metric
 
+from qerl.answers import normalize_digits, normalize_minus
+
 
 def pass_at_k(n: int, c: int, k: int) -> float:
     """Unbiased pass@k for one problem with ``n`` samples, ``c`` of them correct (k <= n)."""
@@ -39,20 +41,35 @@ _OUTER_PARENS = re.compile(r"^\\?\((.*?)\\?\)$")
 _THOUSANDS = re.compile(r"(?<=\d),(?=\d{3}(?!\d))")
 _FRACTION = re.compile(r"^([-+]?)\\[dt]?frac\{?([-+]?\d+)\}?\{?(\d+)\}?$|^([-+]?\d+)/(\d+)$")
 _DECIMAL = re.compile(r"^[-+]?(?:\d+(?:\.\d*)?|\.\d+)$")
+_PERCENT = re.compile(r"\\?%$")
+_TEXT_WRAPPER = re.compile(r"^\\(?:text|textrm|textbf|mathrm|mbox)\{(.*)\}$")
+# a number followed by unit words: "5 apples", "18 dollars." (a letter right after the number, "2x", is algebra)
+_NUMBER_WITH_UNIT = re.compile(r"^([-+]?\$?\d[\d,]*(?:\.\d+)?)\s+[a-zA-Z]{2,}(?:\s+[a-zA-Z]+)*\.?$")
 
 
 def vote_key(answer: str | None) -> str:
     """What a wrong answer votes for: its exact value when it is a number -- an integer, a decimal
     or a fraction (``\\frac{1}{2}``, ``\\dfrac12``, ``1/2``, ``0.5`` alike), also with thousands
-    commas, ``$``, LaTeX spacing or outer parentheses (``1,000``, ``$1000``, ``1000.0``, ``1\\,000``
-    alike; ``2, 100`` stays a pair) -- else its text without blanks; "" for no answer (no vote)."""
+    commas, ``$``, ``%``, LaTeX spacing, outer parentheses, a Unicode minus or unit words (``1,000``,
+    ``$1000``, ``1000.0``, ``1\\,000``, ``\\text{1000 apples}`` alike, as the grader scores them)
+    -- else its text without blanks; a tuple or interval (``(2,100)``, ``[1, 2]``) is text, never
+    the number its digits would spell; "" for no answer (no vote)."""
     if answer is None:
         return ""
+    answer = normalize_digits(normalize_minus(answer))
     text = "".join(answer.split())
-    bare = "".join(_THOUSANDS.sub("", answer).split())  # (commas first: blanks tell "2, 100" apart)
-    bare = _OUTER_PARENS.sub(r"\1", _LATEX_NOISE.sub("", bare))
-    if len(bare) > 64:  # not a number anyone writes; and the fraction pattern would backtrack
+    if len(text) > 64:  # not a number anyone writes; and the patterns would backtrack
         return text
+    core = answer.strip()
+    if m := _TEXT_WRAPPER.match(core):
+        core = m[1].strip()
+    if m := _NUMBER_WITH_UNIT.match(core):
+        core = m[1]
+    squeezed = "".join(_LATEX_NOISE.sub("", core).split())
+    if squeezed[:1] in ("(", "[") and "," in squeezed:  # (plain brackets: \( \) only delimit maths)
+        return text
+    bare = "".join(_THOUSANDS.sub("", core).split())  # (commas first: blanks tell "2, 100" apart)
+    bare = _PERCENT.sub("", _OUTER_PARENS.sub(r"\1", _LATEX_NOISE.sub("", bare)))
     if _DECIMAL.match(bare):
         return str(Fraction(bare))
     if (m := _FRACTION.match(bare)) and int(m[3] or m[5]) != 0:

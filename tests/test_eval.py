@@ -346,6 +346,42 @@ def test_non_finite_eval_settings_fail_at_construction(bad):
         EvalSettings(**bad)
 
 
+def test_majority_vote_counts_one_wrong_value_however_written():
+    from qerl.metrics import majority_vote
+
+    # gold 8: the wrong -5 (three spellings) outvotes the two right samples
+    assert majority_vote([1, 1, 0, 0, 0], ["8", "8", "-5", "- 5", "\u22125"]) == 0.0
+    # gold 1: (2,100) and 2100 are two wrong answers of 2 and 1 votes: a tie with the right one
+    assert majority_vote([1, 1, 0, 0, 0], ["1", "1", "(2,100)", "2100", "(2,100)"]) == 0.5
+
+
+def test_evaluation_scores_with_the_training_rewards_accuracy():
+    """The val/ accuracy means what train/rewards/accuracy means: the configured MathAccuracy
+    (an answer_tag recipe scores <answer> spans, not boxes), found inside a WeightedSum; without
+    one, the default, warned once."""
+    from types import SimpleNamespace
+
+    from callbacks import RolloutCallback
+    from lightning_modules.evaluation import EvaluationMixin
+    from qerl.rewards import FormatReward, MathAccuracy, TagFormatReward, WeightedSum
+
+    tagged = MathAccuracy(answer_tag=True)
+    probe = EvaluationMixin()
+    probe.trainer = SimpleNamespace(callbacks=[RolloutCallback(reward=WeightedSum([TagFormatReward(), tagged], [0.2, 2.0]))])
+    scorer = probe._eval_scorer()
+    assert scorer is tagged
+    texts = ["<think>2+4=6</think> <answer>6</answer>", "<think>so the result is \\boxed{6}</think>"]
+    assert scorer(texts, ["6", "6"]) == [1.0, 0.0]
+    assert scorer.scored_answer(texts[1]) is None  # (the vote of a sample follows its score: none here)
+
+    probe.trainer = SimpleNamespace(callbacks=[RolloutCallback(reward=FormatReward())])
+    with pytest.warns(UserWarning, match="holds no qerl.rewards.MathAccuracy"):
+        default = probe._eval_scorer()
+    assert isinstance(default, MathAccuracy) and not default.answer_tag
+    probe.trainer = SimpleNamespace(callbacks=[])  # no RolloutCallback (validate of a bare config): the default
+    assert isinstance(probe._eval_scorer(), MathAccuracy)
+
+
 def test_vote_key_merges_spellings_of_one_number_only():
     from qerl.metrics import vote_key
 
@@ -356,5 +392,10 @@ def test_vote_key_merges_spellings_of_one_number_only():
     assert len({vote_key(a) for a in ["2, 100", "2100", "(1,2)", "x+1", "10\\%", "1/0"]}) == 6
     assert vote_key(None) == vote_key("") == vote_key("  ") == ""
     assert vote_key(" x + 1 ") == "x+1"
+    # as the grader scores them: a Unicode minus, a percent sign and unit words change no value...
+    for spellings in (["-5", "- 5", "\u22125", "-5.0"], ["5", "5\\%", "5%", "\\text{5 apples}", "5 apples."]):
+        assert len({vote_key(a) for a in spellings}) == 1, spellings
+    # ...while a tuple or interval is no number: (2,100) is not 2100, [1, 2] not 12; 2x is not 2
+    assert len({vote_key(a) for a in ["(2,100)", "2100", "[1, 2]", "12", "2x", "2"]}) == 6
     long = "\\frac" + "1" * 20_000 + "x"  # adversarial: returned as text at once, no backtracking
     assert vote_key(long) == long
