@@ -55,6 +55,17 @@ _NOT_UNITS = frozenset(
 _LOOSE_BOX_RE = re.compile(rf"%|\\(?:{_TEXT_MACROS}|operatorname|unit)(?![a-z])")
 
 
+# a relation or negation with nothing on its left: `\neq 72`, `\geq 5`, `> 3`, `\neg 72`, `≤ 4`
+_LEADING_RELATION_RE = re.compile(r"^\s*(?:\\(?:neq?|not|neg|lnot|[lg]eq?q?|[lg]eqslant|[lg]t|ll|gg)(?![A-Za-z])|[<>≠≤≥]|!=)")
+
+
+def starts_with_relation(text: str) -> bool:
+    """Whether ``text`` starts with a relation or negation that has no left side (``\\neq 72``, ``> 72``,
+    ``\\geq 5``, ``\\neg 72``): an answer that is *not* its number, which math-verify would still
+    read as that number. ``\\approx 72`` is not one (approximately 72 is 72), nor ``x > 72``."""
+    return bool(_LEADING_RELATION_RE.match(text))
+
+
 def strip_end_punctuation(text: str) -> str:
     """``text`` without one closing ``.``, ``,`` or ``;`` and the spaces before it, unless that mark
     continues an ellipsis (``18, ...`` is a sequence, ``0.33...`` is 1/3). Linear time: the regex

@@ -41,7 +41,7 @@ from qerl.answers import (  # noqa: F401
 from qerl.deadline import call_with_deadline as _deadline
 from qerl.math_parsing import (  # noqa: F401 (re-exported)
     _DIGIT_SEP_RE, _SPACE_SEP_RE, _is_multi_valued, _parse_gold, _parse_pred, _text_number, has_expression,
-    is_bare_math)
+    is_bare_math, starts_with_relation)
 from qerl.reward_function import RewardFunction, _warn_limited
 
 logger = logging.getLogger(__name__)
@@ -151,6 +151,8 @@ class MathAccuracy(RewardFunction):
             boxed = _SPACE_SEP_RE.sub("", boxed)
             if len(boxed) > limit:  # no answer is that long, and parsing it is what the cap prevents
                 return None
+            if starts_with_relation(boxed):  # `\neq 72`, `> 72`: math-verify keeps the 72 and drops the
+                return None  # relation (a reward for "not 72" when 72 is right); `x > 72` stays an inequality
         # Re-box the extracted content so math-verify sees exactly the last box (its boxed regex
         # is brace-balanced) rather than whatever else the completion contains. Without a box, the
         # tail (answers sit at the end), with `−5` read as -5 as it is inside LaTeX.

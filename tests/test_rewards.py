@@ -264,6 +264,15 @@ MARKDOWN_HEADINGS = "#### Step 1: Eggs left\n16 - 7 = 9\n#### Step 2: Money\nShe
         (r"\boxed{5+}", "5", 0.0),
         (r"\boxed{5 \le}", "5", 0.0),
         (r"\boxed{5 \times}", "5", 0.0),
+        # a relation with no left side is not its number ("not 72", "at least 72"), math-verify reads 72
+        (r"\boxed{\neq 72}", "72", 0.0),
+        (r"\boxed{\ge 72}", "72", 0.0),
+        (r"\boxed{> 72}", "72", 0.0),
+        (r"\boxed{\neg 72}", "72", 0.0),
+        ("<answer>\u2260 72</answer>", "72", 0.0),
+        (r"\boxed{\approx 72}", "72", 1.0),  # ... approximately 72 is still 72,
+        (r"\boxed{\left(72\right)}", "72", 1.0),  # \left is no \le,
+        (r"\boxed{x \geq 2}", r"x \ge 2", 1.0),  # and an inequality with its left side is one
         (r"\boxed{5\%}", "5", 1.0),  # ... while a percent sign or \text{} box still is
         (r"\boxed{5 \text{ cm}}", "5", 1.0),
         (r"\boxed{18 \hbox{ m}}", "18", 1.0),
