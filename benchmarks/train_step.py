@@ -266,6 +266,8 @@ def main():
         ap.error(f"--rounds must be at least 1, got {args.rounds}")
     if not 0 <= args.left_pad < args.seq - 1:
         ap.error(f"--left-pad must be in [0, seq - 1), got {args.left_pad}")
+    if args.left_pad and args.batch < 2:
+        ap.error("--left-pad needs --batch 2 or more (row 0 is never padded)")
     device = "cuda" if torch.cuda.is_available() else "cpu"
     on_off = lambda v: [{"off": False, "on": True}[s] for s in v.split(",")]  # noqa: E731
     fused_settings = [(f, p, c) for f in on_off(args.fused_ops) for p in on_off(args.fused_projections)

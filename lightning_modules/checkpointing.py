@@ -68,6 +68,7 @@ class ResumeMixin:
         else:
             checkpoint["qerl_rng"] = global_rng_state()
         checkpoint["qerl_streaks"] = dict(self._streaks)
+        checkpoint["qerl_cudnn_failed"] = self._cudnn_failed  # (a resumed run stays off cuDNN attention too)
         checkpoint["qerl_settings"] = self._resolved_settings()
         checkpoint["qerl_base"] = self.base_record()
         checkpoint["qerl_max_steps"] = self._trainer.max_steps if self._trainer is not None else None
@@ -182,6 +183,7 @@ class ResumeMixin:
             rank_zero_warn("the resumed run evaluates with other settings than the checkpoint's run (its val/ "
                            "curves change meaning from here):\n  " + "\n  ".join(eval_changes))
         self._streaks.update(checkpoint.get("qerl_streaks", {}))
+        self._cudnn_failed = bool(checkpoint.get("qerl_cudnn_failed", False))
         self._checkpoint_max_steps = checkpoint.get("qerl_max_steps")
         self.checkpoint_step = checkpoint.get("global_step")
         max_steps = self.trainer.max_steps if fitting and self._trainer is not None else -1

@@ -316,7 +316,8 @@ class QeRLModule(PolicyForwardMixin, ResumeMixin, EvaluationMixin, StepMetricsMi
         for update in range(s.updates_per_rollout):
             with without_cudnn_attention() if self._cudnn_failed else contextlib.nullcontext():
                 finite, update_loss, update_sums, grad_norm = run_update(update)
-            if finite and not torch.isfinite(grad_norm) and cudnn_attention_enabled(self.device):
+            cudnn_was_on = not self._cudnn_failed and cudnn_attention_enabled(self.device)
+            if finite and not torch.isfinite(grad_norm) and cudnn_was_on:
                 # cuDNN's attention backward gave non-finite gradients on the H200 (qerl.attention_masks):
                 # the same update again without it, and the rest of the run without it (the shapes that
                 # fail tend to recur: a recompute costs a whole update, leaving cuDNN out ~5% of one)

@@ -55,14 +55,18 @@ _NOT_UNITS = frozenset(
 _LOOSE_BOX_RE = re.compile(rf"%|\\(?:{_TEXT_MACROS}|operatorname|unit)(?![a-z])")
 
 
-# a relation or negation with nothing on its left: `\neq 72`, `\geq 5`, `> 3`, `\neg 72`, `≤ 4`
-_LEADING_RELATION_RE = re.compile(r"^\s*(?:\\(?:neq?|not|neg|lnot|[lg]eq?q?|[lg]eqslant|[lg]t|ll|gg)(?![A-Za-z])|[<>≠≤≥]|!=)")
+# a relation or negation with nothing on its left: `\neq 72`, `\geq 5`, `\nleq 5`, `\notin A`, `> 3`,
+# `{\ge} 5`, `≤ 4`; not GSM8K's `<<2*9=18>>` calculator markup nor an angle-bracket vector `<1, 2>`
+_LEADING_RELATION_RE = re.compile(
+    r"^\s*\{?\s*(?:\\(?:n?[lg]eq?q?|n?[lg]eqslant|[lg]neq?q?|[lg]t|ll|gg|ne|neq|not[a-z]*|neg|lnot|nless|ngtr)"
+    r"(?![A-Za-z])|[≠≤≥≮≯≰≱⩽⩾]|!=|>|<(?![<])(?![^<>]*>\s*$))")
 
 
 def starts_with_relation(text: str) -> bool:
     """Whether ``text`` starts with a relation or negation that has no left side (``\\neq 72``, ``> 72``,
-    ``\\geq 5``, ``\\neg 72``): an answer that is *not* its number, which math-verify would still
-    read as that number. ``\\approx 72`` is not one (approximately 72 is 72), nor ``x > 72``."""
+    ``\\geq 5``, ``\\nleq 5``, ``\\neg 72``): an answer that is *not* its number, which math-verify
+    would still read as that number. ``\\approx 72`` is not one (approximately 72 is 72), nor
+    ``x > 72``, GSM8K's ``<<2*9=18>>18`` or a vector ``<1, 2, 3>``."""
     return bool(_LEADING_RELATION_RE.match(text))
 
 

@@ -21,6 +21,7 @@ import torch
 from torchmetrics import Metric
 
 from qerl.answers import normalize_digits, normalize_minus
+from qerl.math_parsing import _text_number, strip_end_punctuation
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
@@ -42,9 +43,6 @@ _THOUSANDS = re.compile(r"(?<=\d),(?=\d{3}(?!\d))")
 _FRACTION = re.compile(r"^([-+]?)\\[dt]?frac\{?([-+]?\d+)\}?\{?(\d+)\}?$|^([-+]?\d+)/(\d+)$")
 _DECIMAL = re.compile(r"^[-+]?(?:\d+(?:\.\d*)?|\.\d+)$")
 _PERCENT = re.compile(r"\\?%$")
-_TEXT_WRAPPER = re.compile(r"^\\(?:text|textrm|textbf|mathrm|mbox)\{(.*)\}$")
-# a number followed by unit words: "5 apples", "18 dollars." (a letter right after the number, "2x", is algebra)
-_NUMBER_WITH_UNIT = re.compile(r"^([-+]?\$?\d[\d,]*(?:\.\d+)?)\s+[a-zA-Z]{2,}(?:\s+[a-zA-Z]+)*\.?$")
 
 
 def vote_key(answer: str | None) -> str:
@@ -61,10 +59,8 @@ def vote_key(answer: str | None) -> str:
     if len(text) > 64:  # not a number anyone writes; and the patterns would backtrack
         return text
     core = answer.strip()
-    if m := _TEXT_WRAPPER.match(core):
-        core = m[1].strip()
-    if m := _NUMBER_WITH_UNIT.match(core):
-        core = m[1]
+    # unit words as the grader reads them (`\text{18 dollars}`, `18 dollars`; not `3 million`, `2 pi`)
+    core = _text_number(strip_end_punctuation(core)) or core
     squeezed = "".join(_LATEX_NOISE.sub("", core).split())
     if squeezed[:1] in ("(", "[") and "," in squeezed:  # (plain brackets: \( \) only delimit maths)
         return text

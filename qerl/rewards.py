@@ -151,8 +151,6 @@ class MathAccuracy(RewardFunction):
             boxed = _SPACE_SEP_RE.sub("", boxed)
             if len(boxed) > limit:  # no answer is that long, and parsing it is what the cap prevents
                 return None
-            if starts_with_relation(boxed):  # `\neq 72`, `> 72`: math-verify keeps the 72 and drops the
-                return None  # relation (a reward for "not 72" when 72 is right); `x > 72` stays an inequality
         # Re-box the extracted content so math-verify sees exactly the last box (its boxed regex
         # is brace-balanced) rather than whatever else the completion contains. Without a box, the
         # tail (answers sit at the end), with `−5` read as -5 as it is inside LaTeX.
@@ -192,6 +190,8 @@ class MathAccuracy(RewardFunction):
         # a gold with unit words (`5 dollars`, `\text{5 cm}`: custom sets) is its number, as a
         # prediction's box is; math-verify alone reads `5 dollars` as 5*a*do*l*l*r*s
         gold_text = _text_number(gold.strip()) or gold.strip()
+        if boxed is not None and starts_with_relation(boxed) and not starts_with_relation(gold_text):
+            return 0.0  # `\neq 72`, `> 72`: math-verify keeps the 72 and drops the relation ("not 72" is no 72)
         # integers longer than Python's int-string limit: math-verify cannot convert them (it scores 0
         # silently), so they are compared here as digit strings (linear; `limit` bounds the box)
         exact = long_integers_equal(gold_text, boxed if boxed is not None else hash_answer(pred_text))

@@ -353,6 +353,8 @@ def test_majority_vote_counts_one_wrong_value_however_written():
     assert majority_vote([1, 1, 0, 0, 0], ["8", "8", "-5", "- 5", "\u22125"]) == 0.0
     # gold 1: (2,100) and 2100 are two wrong answers of 2 and 1 votes: a tie with the right one
     assert majority_vote([1, 1, 0, 0, 0], ["1", "1", "(2,100)", "2100", "(2,100)"]) == 0.5
+    # gold 2\\pi: "2 pi" and 2 are two wrong answers, no tie with the right one
+    assert majority_vote([1, 1, 0, 0], ["2\\pi", "2\\pi", "2 pi", "2"]) == 1.0
 
 
 def test_evaluation_scores_with_the_training_rewards_accuracy():
@@ -397,5 +399,7 @@ def test_vote_key_merges_spellings_of_one_number_only():
         assert len({vote_key(a) for a in spellings}) == 1, spellings
     # ...while a tuple or interval is no number: (2,100) is not 2100, [1, 2] not 12; 2x is not 2
     assert len({vote_key(a) for a in ["(2,100)", "2100", "[1, 2]", "12", "2x", "2"]}) == 6
+    # unit words only where the grader reads them as units: 3 million is not 3, 2 pi not 2
+    assert len({vote_key(a) for a in ["3 million", "3", "2 pi", "2", "5 squared", "5"]}) == 6
     long = "\\frac" + "1" * 20_000 + "x"  # adversarial: returned as text at once, no backtracking
     assert vote_key(long) == long

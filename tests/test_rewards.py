@@ -273,6 +273,14 @@ MARKDOWN_HEADINGS = "#### Step 1: Eggs left\n16 - 7 = 9\n#### Step 2: Money\nShe
         (r"\boxed{\approx 72}", "72", 1.0),  # ... approximately 72 is still 72,
         (r"\boxed{\left(72\right)}", "72", 1.0),  # \left is no \le,
         (r"\boxed{x \geq 2}", r"x \ge 2", 1.0),  # and an inequality with its left side is one
+        (r"\boxed{\nleq 72}", "72", 0.0),  # negated relations too,
+        (r"\boxed{\notin 72}", "72", 0.0),
+        ("\\boxed{\u226e 72}", "72", 0.0),
+        (r"\boxed{{\ge} 72}", "72", 0.0),
+        (r"\boxed{\ge 5}", r"\ge 5", 1.0),  # unless the gold itself starts with one
+        (r"\boxed{\neg p \lor q}", r"\neg p \lor q", 1.0),
+        (r"\boxed{<<2*9=18>>18}", "18", 1.0),  # GSM8K's calculator markup is no relation,
+        (r"\boxed{<1, 2, 3>}", "<1, 2, 3>", 1.0),  # nor a vector in angle brackets
         (r"\boxed{5\%}", "5", 1.0),  # ... while a percent sign or \text{} box still is
         (r"\boxed{5 \text{ cm}}", "5", 1.0),
         (r"\boxed{18 \hbox{ m}}", "18", 1.0),

@@ -690,6 +690,48 @@ def test_update_with_non_finite_cudnn_gradients_is_recomputed_without_cudnn(poli
     assert_same_update(healthy, without, "cudnn_attention false")
 
 
+def test_after_the_switch_off_no_update_is_recomputed_again_and_a_resume_stays_off(policy, mismatched, tmp_path, monkeypatch):
+    """Update 0 fails only with cuDNN (recomputed without it); update 1 fails whatever the backend:
+    it is skipped, not recomputed "without cuDNN" a second time. The switch-off is in the
+    checkpoint: a run resumed from it trains without cuDNN attention too."""
+    import lightning_modules.policy_forward as policy_forward
+    import lightning_modules.qerl_module as qerl_module
+
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    state = {"fail_always": False}
+
+    def bug(query, key, value, attn_mask=None, **kw):
+        if (torch.backends.cuda.cudnn_sdp_enabled() or state["fail_always"]) and attn_mask is not None \
+                and attn_mask.dtype == torch.bool:
+            query = _NaNGradWhereNothingIsSeen.apply(query, ~attn_mask.any(-1, keepdim=True))
+        return sdpa(query, key, value, attn_mask=attn_mask, **kw)
+
+    check = QeRLModule.check_weights_finite
+
+    def after_an_applied_update(self):  # (runs after each optimizer step)
+        state["fail_always"] = True
+        return check(self)
+
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", bug)
+    monkeypatch.setattr(policy_forward, "left_padding_mask", lambda model, attention_mask: attention_mask)
+    monkeypatch.setattr(qerl_module, "cudnn_attention_enabled", lambda device: torch.backends.cuda.cudnn_sdp_enabled())
+    monkeypatch.setattr(QeRLModule, "check_weights_finite", after_an_applied_update)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        run = fit(policy, mismatched, tmp_path / "twice", updates_per_rollout=2)
+    assert len([w for w in seen if "recomputing" in str(w.message)]) == 1
+    assert len([w for w in seen if "skipping this update" in str(w.message)]) == 1
+    assert run.logged["train/updates_recomputed"] == 1 and run.logged["train/updates_skipped"] == 1
+
+    path = tmp_path / "off.ckpt"
+    run.trainer.save_checkpoint(path)
+    resumed = QeRLModule(model="tiny-qwen2", quantization="nvfp4", dtype="fp32")
+    resumed.model = run.module.model
+    assert not resumed._cudnn_failed
+    resumed.on_load_checkpoint(torch.load(path, weights_only=False))
+    assert resumed._cudnn_failed
+
+
 def test_gradients_are_clipped_to_max_grad_norm_and_the_norm_before_is_logged(policy, mismatched, tmp_path):
     run = fit(policy, mismatched, tmp_path / "clip", max_grad_norm=1e-3)
     applied = torch.cat([g.flatten() for g in run.grads[0]]).norm()
