@@ -69,8 +69,9 @@ class AQNCallback(L.Callback):
             pl_module.noisy_norms = attach_noisy_norms(pl_module.model, self.module_names)
         pl_module.aqn_apply_to = self.apply_to
         self.monitor.max_steps = max(1, trainer.max_steps)
-        stages = getattr(self.controller, "num_stages", None) or getattr(getattr(self.controller, "base", None), "num_stages", None)
-        if stages and trainer.max_steps < stages and getattr(self.controller, "max_steps", None) is None:
+        staged = self.controller if getattr(self.controller, "num_stages", None) else getattr(self.controller, "base", None)
+        stages = getattr(staged, "num_stages", None)  # (the schedule itself, or the adaptive controller's base)
+        if stages and trainer.max_steps < stages and getattr(staged, "max_steps", None) is None:
             log.warning("AQN: trainer.max_steps=%s is below the schedule's %d stages: every step is its "
                         "own stage and sigma_end is not reached; set trainer.max_steps or the controller's "
                         "max_steps", trainer.max_steps, stages)
@@ -88,8 +89,11 @@ class AQNCallback(L.Callback):
             "aqn/stage": float(self.controller.stage(step)),
             "aqn/fraction_changed": pl_module.noisy_norms.fraction_changed(),
         }
+        # moving averages: absent until their window fills (no earlier point for Lightning to repeat);
+        # any other NaN (the adaptive controller's undefined boost) is logged as NaN: left out, the
+        # curve would repeat the previous step's value
         metrics.update({f"aqn/{k}": float(v) for k, v in self.controller.last_decision.items()
-                        if not math.isnan(float(v))})  # moving averages: absent until their window fills
+                        if not (math.isnan(float(v)) and k.endswith("_ma"))})
         pl_module.log_dict(metrics, on_step=True, on_epoch=False, batch_size=1)
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:

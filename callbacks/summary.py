@@ -15,8 +15,9 @@ from __future__ import annotations
 
 from lightning.pytorch.callbacks import ModelSummary, RichModelSummary, RichProgressBar
 from lightning.pytorch.utilities.imports import _RICH_AVAILABLE
+from lightning.pytorch.utilities.model_summary.model_summary import get_human_readable_count
 
-from qerl.quantize import base_weight_bytes, is_lora_parameter
+from qerl.quantize import base_weight_bytes, count_parameters, is_lora_parameter
 
 _Base = RichModelSummary if _RICH_AVAILABLE else ModelSummary
 
@@ -41,14 +42,26 @@ def weight_megabytes(pl_module) -> float:
 
 
 class WeightBytesSummary(_Base):
-    """Lightning's (rich) model summary; "Total estimated model params size" is the real weight bytes."""
+    """Lightning's (rich) model summary; "Total estimated model params size" is the real weight bytes,
+    and the parameter counts are the logical ones (Lightning counts an NF4 weight's packed bytes,
+    two codes each: half its elements)."""
 
     def on_fit_start(self, trainer, pl_module) -> None:
         self._megabytes = weight_megabytes(pl_module)
+        self._module = pl_module
         super().on_fit_start(trainer, pl_module)
 
     def summarize(self, summary_data, total_parameters, trainable_parameters, model_size, *args, **kwargs) -> None:
-        super().summarize(summary_data, total_parameters, trainable_parameters, self._megabytes, *args, **kwargs)
+        counts = count_parameters(self._module)
+        names = dict(summary_data).get("Name", [])
+        for header, values in summary_data:  # each listed module's own count, where it names one
+            if header == "Params":
+                for i, name in enumerate(names):
+                    try:
+                        values[i] = get_human_readable_count(count_parameters(self._module.get_submodule(name))["total"])
+                    except AttributeError:  # (a "leftover params" row)
+                        pass
+        super().summarize(summary_data, counts["total"], counts["trainable"], self._megabytes, *args, **kwargs)
 
 
 class StepProgressBar(RichProgressBar):

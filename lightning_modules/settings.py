@@ -42,7 +42,7 @@ class LossSettings:
             geometric (their per-token geometric mean, length-independent; use a cap near 1, e.g. 1.01)
             (trainer vs sampler log-probs).
         tis_mode: truncate (TIS: min(w, cap)) or mask (MIS: drop tokens with w > cap).
-        tis_cap: the cap; null disables importance-sampling correction.
+        tis_cap: the cap (>= 1: an on-policy token's weight is 1); null disables importance-sampling correction.
         mask_truncated: exclude completions that hit max_new_tokens from the loss (DAPO overlong filtering).
         top_entropy_quantile: apply the clipped surrogate only to the tokens whose entropy is in this top
             share of the rollout batch (e.g. 0.2: "Beyond the 80/20 rule"; TRL's top_entropy_quantile);
@@ -77,8 +77,10 @@ class LossSettings:
                 raise ValueError(f"model.loss.{key} must be >= 1, got {getattr(self, key)}")
         # every comparison is written so that NaN fails it (`x < 0` is false for NaN: a NaN kl_coef
         # would drop the KL term silently) and infinities are refused by name
-        if self.tis_cap is not None and not self.tis_cap > 0:  # (.inf: weights without truncation)
-            raise ValueError(f"model.loss.tis_cap must be > 0 (or null: no IS correction), got {self.tis_cap}")
+        # (.inf: weights without truncation). Below 1 an on-policy token (weight 1) is past the cap:
+        # mask mode would drop every token (nothing trains), truncate mode scale the whole loss down
+        if self.tis_cap is not None and not self.tis_cap >= 1:
+            raise ValueError(f"model.loss.tis_cap must be >= 1 (or null: no IS correction), got {self.tis_cap}")
         if not 0 < self.top_entropy_quantile <= 1:
             raise ValueError(f"model.loss.top_entropy_quantile must be in (0, 1], got {self.top_entropy_quantile}")
         for key in ("clip_low", "clip_high"):  # (.inf: that side unclipped)

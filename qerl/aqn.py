@@ -132,6 +132,10 @@ class StagedSchedule(NoiseController):
         super().__init__()
         if num_stages < 2:
             raise ValueError("num_stages must be >= 2 (stage 0 is noise-free)")
+        if num_stages == 2 and reach_end:  # t = (k-1)/(K-2) has no value: one stage cannot be both
+            raise ValueError(f"{type(self).__name__}: num_stages=2 leaves one noisy stage, which cannot be both "
+                             "sigma_start and sigma_end; use num_stages >= 3, reach_end: false (that stage is "
+                             "sigma_start) or ConstantNoise")
         _check(type(self).__name__, finite=dict(sigma_start=sigma_start, sigma_end=sigma_end),
                sigma_start__ge_0=sigma_start >= 0, sigma_end__ge_0=sigma_end >= 0,
                max_steps__ge_1=max_steps is None or max_steps >= 1)  # (0 would read as "unknown" at step 1)
@@ -341,8 +345,8 @@ class AdaptiveNoise(NoiseController):
         sigma = max(base, min(max(base * self.boost, self.sigma_min), self.sigma_max)) if boosted else base
         self.last_decision = {
             "plateau": float(boosted),
-            # the applied factor; none exists where sigma_min lifts a zero base (then NaN: not logged,
-            # and aqn/base_sigma 0 beside aqn/sigma shows what happened)
+            # the applied factor; none exists where sigma_min lifts a zero base (then NaN, a gap in
+            # the curve, and aqn/base_sigma 0 beside aqn/sigma shows what happened)
             "boost": (sigma / base if base > 0 else float("nan") if sigma > 0 else 1.0) if boosted else 1.0,
             "base_sigma": base,
             "reward_ma": reward_ma if reward_ma is not None else float("nan"),

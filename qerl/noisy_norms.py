@@ -181,7 +181,9 @@ class NoisyNorms:
             z = torch.randn(leaves[0].weight.shape, generator=gen, dtype=torch.float32) * self.sigma
             if scale_precision == "bf16" and self.sigma > 0:
                 w = top.weight.detach().float().cpu()
-                z = stochastic_round_bf16(w + z, gen) - w  # exact in fp32: both are bf16 values
+                # w + z lands on a bf16 value (what vLLM's bf16 copy holds); z is exact in fp32 when w is
+                # a bf16 value too, and a trained fp32 norm (trainable_norms) keeps its own low bits
+                z = stochastic_round_bf16(w + z, gen) - w
             for leaf in leaves:
                 if leaf.aqn_noise.device != leaf.weight.device:
                     leaf.aqn_noise = torch.zeros_like(z, device=leaf.weight.device)

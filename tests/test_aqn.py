@@ -104,6 +104,10 @@ def test_exponential_needs_positive_endpoints_and_linear_may_reach_zero():
     with pytest.raises(ValueError, match="sigma_start, sigma_end > 0"):
         ExponentialSchedule(sigma_start=0.0)
     assert LinearSchedule(1e-2, 0.0, num_stages=4, max_steps=8).sigma(7) == 0.0
+    # two stages: one noisy stage, which cannot be sigma_start and sigma_end at once
+    with pytest.raises(ValueError, match="num_stages=2 leaves one noisy stage"):
+        ExponentialSchedule(1e-2, 5e-4, num_stages=2)
+    assert ExponentialSchedule(1e-2, 5e-4, num_stages=2, max_steps=10, reach_end=False).sigma(9) == 1e-2
 
 
 @pytest.mark.parametrize("build,message", [
@@ -188,6 +192,45 @@ def test_adaptive_relaxes_when_reward_improves_and_watches_entropy():
     assert sigma == pytest.approx(1e-3) and decision["plateau"] == 1.0
     # no factor turns 0 into sigma_min: the boost is NaN (not logged) and the base sigma says why
     assert math.isnan(decision["boost"]) and decision["base_sigma"] == 0.0
+
+
+def test_callback_logs_an_undefined_boost_as_nan_and_unfilled_averages_not_at_all():
+    """Left out of the step's log_dict, a key repeats its previous value in TensorBoard (Lightning
+    keeps on-step values): the undefined boost (sigma_min lifting a zero base) is logged as NaN,
+    a gap; the moving averages, absent only before their window first fills, are left out."""
+    from types import SimpleNamespace
+
+    from callbacks import AQNCallback
+
+    logged = []
+    norms = SimpleNamespace(set_noise=lambda *a, **k: None, fraction_changed=lambda: 0.0)
+    module = SimpleNamespace(noisy_norms=norms, log_dict=lambda metrics, **kw: logged.append(metrics))
+    cb = AQNCallback(controller=AdaptiveNoise(window=5, sigma_min=1e-3))
+    cb.monitor.max_steps = 600
+    cb.prepare_step(SimpleNamespace(global_step=0), module)
+    assert "aqn/reward_ma" not in logged[-1] and logged[-1]["aqn/boost"] == 1.0
+    for step in range(1, 13):  # a flat reward: the plateau boost (as the controller's own test drives it)
+        cb.monitor.rewards.append(0.3)
+        cb.monitor.entropies.append(1.0)
+        cb.prepare_step(SimpleNamespace(global_step=step), module)
+    assert logged[-1]["aqn/plateau"] == 1.0 and logged[-1]["aqn/sigma"] == pytest.approx(1e-3)
+    assert math.isnan(logged[-1]["aqn/boost"]) and logged[-1]["aqn/reward_ma"] == pytest.approx(0.3)
+
+
+def test_too_few_steps_for_the_stages_warns_unless_the_schedule_has_its_own_max_steps(caplog):
+    from types import SimpleNamespace
+
+    from callbacks import AQNCallback
+
+    trainer, module = SimpleNamespace(max_steps=4), SimpleNamespace(noisy_norms=object())
+    for controller, warns in ((ExponentialSchedule(num_stages=10), True),
+                              (AdaptiveNoise(base=ExponentialSchedule(num_stages=10)), True),
+                              (ExponentialSchedule(num_stages=10, max_steps=100), False),
+                              (AdaptiveNoise(base=ExponentialSchedule(num_stages=10, max_steps=100)), False)):
+        caplog.clear()
+        with caplog.at_level("WARNING"):
+            AQNCallback(controller=controller).on_fit_start(trainer, module)
+        assert ("below the schedule's 10 stages" in caplog.text) == warns, controller
 
 
 def test_callback_history_must_hold_the_adaptive_window():

@@ -29,7 +29,8 @@ def test_config_parses(path, tmp_path, monkeypatch):
 @pytest.mark.parametrize("bad, message", [
     ("--model.loss.updates_per_rollout=0", "model.loss.updates_per_rollout must be >= 1"),
     ("--model.loss.micro_batch_size=0", "model.loss.micro_batch_size must be >= 1"),
-    ("--model.loss.tis_cap=0", "model.loss.tis_cap must be > 0"),
+    ("--model.loss.tis_cap=0", "model.loss.tis_cap must be >= 1"),
+    ("--model.loss.tis_cap=0.5", "model.loss.tis_cap must be >= 1"),
 ])
 def test_bad_loss_values_fail_before_anything_loads(bad, message, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)

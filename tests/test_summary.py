@@ -6,23 +6,34 @@ from lightning.pytorch.callbacks import ModelCheckpoint, ModelSummary, RichModel
 
 import callbacks.summary as summary
 from lightning_modules.qerl_module import QeRLModule
-from qerl.quantize import base_weight_bytes
+from lightning.pytorch.utilities.model_summary.model_summary import get_human_readable_count
+
+from qerl.quantize import base_weight_bytes, count_parameters
 from qerl.nvfp4 import NVFP4WeightTensor
 
 
-@pytest.mark.parametrize("quantization", ["nvfp4", "bf16"])
+@pytest.mark.parametrize("quantization", ["nvfp4", "bf16", "nf4"])
 def test_summary_size_is_the_real_weight_bytes(quantization, monkeypatch):
+    if quantization == "nf4":
+        pytest.importorskip("bitsandbytes")
     module = QeRLModule(model="tiny-qwen2", quantization=quantization, dtype="fp32")
     module.configure_model()
     printed = {}
     monkeypatch.setattr(summary._Base, "summarize", staticmethod(
-        lambda data, total, trainable, size, *a, **k: printed.update(size=size, total=total)))
+        lambda data, total, trainable, size, *a, **k: printed.update(size=size, total=total, rows=dict(data))))
     trainer = L.Trainer(logger=False, accelerator="cpu", enable_progress_bar=False, enable_checkpointing=False)
     summary.WeightBytesSummary(max_depth=1).on_fit_start(trainer, module)
     params = list(module.model.parameters())
     trainable = sum(p.numel() * p.element_size() for p in params if p.requires_grad)
     assert printed["size"] == pytest.approx((base_weight_bytes(module.model)["total"] + trainable) / 1e6)
-    assert printed["total"] == sum(p.numel() for p in params)  # the parameter count stays Lightning's
+    # the logical parameter count: Lightning's for NVFP4 / bf16; for NF4 (packed bytes, 2 codes each)
+    # Lightning's would be half of each quantized weight
+    logical = count_parameters(module)["total"]
+    assert printed["total"] == logical and printed["rows"]["Params"][0] == get_human_readable_count(logical)
+    if quantization == "nf4":
+        assert sum(p.numel() for p in params) < logical
+        return
+    assert printed["total"] == sum(p.numel() for p in params)
     lightning_size = printed["total"] * 4 / 1e6  # what Lightning would have printed (32-bit)
     # fp32 model: the only difference is the packed NVFP4 linears (0.5625 B per weight instead of 4)
     packed = [p for p in params if isinstance(p, NVFP4WeightTensor)]
