@@ -177,13 +177,17 @@ def accuracy_reward(reward) -> MathAccuracy | None:
 class EvaluationMixin:
     """validation_step / test_step for ``QeRLModule`` (expects ``model``, ``tokenizer``, ``eval_settings``)."""
 
+    def _rollout_callback(self):
+        """The trainer's RolloutCallback (found by its engine hook), or None."""
+        return next((cb for cb in self.trainer.callbacks if hasattr(cb, "ensure_engine")), None)
+
     def _eval_engine(self):
         """The engine that evaluates, chosen and synced at the start of each evaluation: the
         RolloutCallback's vLLM engine when training rolls out in vLLM (one vLLM per process) unless
         ``eval.engine: hf``; else an embedded engine of its own batch size (CUDA graphs as the
         RolloutCallback sets them). Synced with the clean policy: AQN is off now, so the norm
         scales are the plain weights."""
-        rollout_cb = next((cb for cb in self.trainer.callbacks if hasattr(cb, "ensure_engine")), None)
+        rollout_cb = self._rollout_callback()
         if self.eval_settings.engine == "rollout" and getattr(rollout_cb, "engine_name", "hf") == "vllm":
             engine = rollout_cb.ensure_engine(self.trainer, self)  # validate / test: made here
         else:
@@ -224,7 +228,7 @@ class EvaluationMixin:
         """The training reward's ``MathAccuracy`` (so ``val/`` accuracy means what ``train/rewards/accuracy``
         means: an ``answer_tag`` recipe is not scored on boxes); a default one, warned once, when the
         reward has none or there is no RolloutCallback."""
-        rollout_cb = next((cb for cb in self.trainer.callbacks if hasattr(cb, "ensure_engine")), None)
+        rollout_cb = self._rollout_callback()
         found = accuracy_reward(getattr(rollout_cb, "reward", None))
         if found is None:
             found = MathAccuracy()
