@@ -254,14 +254,14 @@ class QeRLModule(PolicyForwardMixin, ResumeMixin, EvaluationMixin, StepMetricsMi
         num_tokens = self.token_normaliser(loss_mask)  # dapo's: the global token count / W
         sums: dict[str, float] = {}  # the applied updates' metrics, summed over updates
         losses, grad_norms = [], []  # one per applied update
-        pre = {"entropy": 0.0, "is_ratio": 0.0, "weight": 0.0}
+        pre = {"entropy": 0.0, "is_ratio": 0.0, "weight": 0.0, "is_weight": 0.0}
 
         def run_update(update: int):
             """One update's forward + backward over the micro-batches (gradients accumulate); returns
             (finite loss on every micro-batch, summed loss, its metrics, the gradient norm before clipping)."""
             finite, update_loss, update_sums = True, 0.0, {}
             if update == 0:
-                pre.update(entropy=0.0, is_ratio=0.0, weight=0.0)
+                pre.update(entropy=0.0, is_ratio=0.0, weight=0.0, is_weight=0.0)
             for mb in micro_batches:
                 with self._training_noise():
                     logprobs, entropy = lp(mb, with_entropy=(update == 0 and pre_entropy is None),
@@ -302,7 +302,11 @@ class QeRLModule(PolicyForwardMixin, ResumeMixin, EvaluationMixin, StepMetricsMi
                     share = sampled.sum().item() / sampled_tokens
                     pre["entropy"] += float(masked_mean(logged_entropy, sampled)) * share
                     raw_ratio = torch.exp((old - sampler_logprobs[mb]).clamp(max=20))
-                    pre["is_ratio"] += float(masked_mean(raw_ratio, sampled)) * share
+                    # a NaN sampler log-prob gets IS weight 0 in the loss; here it is left out, not the step's mean
+                    valid = sampled.bool() & torch.isfinite(raw_ratio)
+                    valid_share = valid.sum().item() / sampled_tokens
+                    pre["is_ratio"] += float(masked_mean(raw_ratio.nan_to_num(0.0), valid)) * valid_share
+                    pre["is_weight"] += valid_share
                     pre["weight"] += share
             # the norm first, clipped only when finite: a NaN norm's clip factor would make every
             # gradient NaN and hide which ones were (the skip warning names them)

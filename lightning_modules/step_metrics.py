@@ -28,7 +28,7 @@ class StepMetricsMixin:
         G = rollout.group_size
         applied = len(losses)
         update_mean = lambda key: sums.get(key, 0.0) / applied if applied else float("nan")  # noqa: E731
-        pre_mean = lambda key: pre[key] / pre["weight"] if pre["weight"] else float("nan")  # noqa: E731
+        pre_mean = lambda key, weight="weight": pre[key] / pre[weight] if pre[weight] else float("nan")  # noqa: E731
         rewards = rollout.rewards.float()
         group_std = rewards.view(-1, G).std(-1) if G > 1 else torch.zeros(rewards.numel())
         lengths = rollout.sampled_lengths().float()  # every generated completion (also DAPO's dropped groups)
@@ -44,7 +44,7 @@ class StepMetricsMixin:
             "train/clip_ratio/low": update_mean("clip_ratio/low"),
             "train/clip_ratio/high": update_mean("clip_ratio/high"),
             "train/clip_ratio/region": update_mean("clip_ratio/region"),
-            "train/is_ratio/mean": pre_mean("is_ratio"),
+            "train/is_ratio/mean": pre_mean("is_ratio", "is_weight"),  # over finite sampler log-probs
             "train/completion_length/mean": lengths.mean(),
             "train/completion_length/max": lengths.max(),
             "train/clipped_ratio": rollout.sampled_truncated().float().mean(),

@@ -137,6 +137,14 @@ def has_expression(parsed: list | tuple) -> bool:
 
 
 def _parse_pred(text: str, boxed: str | None = None) -> list:
+    """``_parse_cached`` as a fresh list (math-verify's verify takes a list of alternatives)."""
+    return list(_parse_cached(text, boxed))
+
+
+# Evaluation parses each unboxed completion twice (its score, then the answer shown and voted on in
+# maj@n): the second is a cache hit. Keys are capped by MathAccuracy.max_chars.
+@lru_cache(maxsize=1024)
+def _parse_cached(text: str, boxed: str | None) -> tuple:
     """Parse a prediction with math-verify's defaults (LaTeX with boxed priority, then plain
     expressions; rightmost match first). ``boxed`` is the (already normalised) box content that
     ``text`` re-boxes, or None when the completion has no box.
@@ -157,8 +165,8 @@ def _parse_pred(text: str, boxed: str | None = None) -> list:
             parsed = (math_verify.parse(tail, parsing_timeout=None)  # (`-$5`: math-verify reads nothing)
                       or math_verify.parse(tail.replace("\\$", "").replace("$", ""), parsing_timeout=None))
             if parsed:
-                return parsed
-        return math_verify.parse(text, parsing_timeout=None)
+                return tuple(parsed)
+        return tuple(math_verify.parse(text, parsing_timeout=None))
     parsed = math_verify.parse(text, parsing_timeout=None)
     if not has_expression(parsed):
         if _LOOSE_BOX_RE.search(boxed):
@@ -169,4 +177,4 @@ def _parse_pred(text: str, boxed: str | None = None) -> list:
     number = _text_number(boxed)
     if number is not None:
         parsed = parsed + math_verify.parse(f"${number}$", parsing_timeout=None)
-    return parsed
+    return tuple(parsed)

@@ -715,6 +715,20 @@ def test_scored_answer_is_what_the_verdict_compared(completion, answer):
     assert MathAccuracy(boxed_only=True).scored_answer("no box 42") is None
 
 
+def test_scored_answer_after_the_score_parses_nothing_again(monkeypatch):
+    """Evaluation scores a completion, then shows and votes on its answer: the second read of an
+    unboxed completion is a cache hit, not a second math-verify parse (its slowest part)."""
+    import qerl.math_parsing as parsing
+    calls = []
+    real_parse = parsing.math_verify.parse
+    monkeypatch.setattr(parsing.math_verify, "parse", lambda *a, **k: calls.append(a) or real_parse(*a, **k))
+    scorer = MathAccuracy()
+    text = "so the total is 17 + 25 = 4217 apples, i.e. 4217 in all"  # unique: no earlier test's cache entry
+    assert scorer.score_one(text, "4217") == 1.0
+    parsed = len(calls)
+    assert parsed > 0 and scorer.scored_answer(text) == "4217" and len(calls) == parsed
+
+
 def test_a_gold_without_an_expression_is_warned(caplog):
     """`#### \\frac{` loads (it is text), but math-verify reads no expression in it: every completion
     of that prompt scores 0 unless it repeats it verbatim -- now said, not silent."""

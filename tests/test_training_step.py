@@ -339,6 +339,19 @@ def test_logged_scalars_equal_their_definitions(policy, mismatched, tmp_path):
         assert logged[key] == pytest.approx(float(value), rel=1e-4, abs=1e-6), key
 
 
+def test_is_ratio_leaves_out_a_nan_sampler_logprob(policy, mismatched, tmp_path):
+    """A NaN sampler log-prob gets IS weight 0 in the loss; the logged mean ratio is over the other
+    sampled tokens (one NaN made the whole step's curve NaN)."""
+    broken = copy.deepcopy(mismatched)
+    valid = broken.completion_mask.bool()
+    row, col = valid.nonzero()[3].tolist()
+    broken.sampler_logprobs[row, col] = float("nan")
+    keep = valid.clone()
+    keep[row, col] = False
+    logged = fit(policy, broken, tmp_path / "run").logged
+    assert logged["train/is_ratio/mean"] == pytest.approx(float(torch.exp(-OFFSET)[keep].mean()), rel=1e-4)
+
+
 def test_advantage_scale_reaches_the_update(policy, mismatched, tmp_path):
     """group / batch / none scale the same centred rewards differently: three different updates
     (the groups' stds differ, so no two agree after clipping is off)."""
