@@ -98,9 +98,10 @@ class EvalSettings:
 def problem_seeds(seed: int, dataset: str, batch: dict) -> list[int]:
     """One sampling seed per problem of an evaluation batch, from (seed, dataset, the problem's index
     in its set), so a problem's samples do not depend on the batch or the rank that decodes it.
-    Problems without an index (a custom data module) fall back to their prompt text."""
-    keys = batch.get("indices") or batch["prompts"]
-    return [derive_seed(seed, "eval", dataset, key) for key in keys]
+    A problem without an index (a custom data module) falls back to its prompt text."""
+    indices = batch.get("indices") or [None] * len(batch["prompts"])
+    return [derive_seed(seed, "eval", dataset, prompt if index is None else index)
+            for index, prompt in zip(indices, batch["prompts"])]
 
 
 def gather_records(records: dict[str, list[dict]]) -> dict[str, list[dict]]:
@@ -262,6 +263,8 @@ class EvaluationMixin:
                 "correct": bool(greedy_ok[i]), "finish": greedy.finish_reasons[i],
                 "sampled_correct": None if sampled_ok is None else sampled_ok[i].tolist(),
                 "sampled_extracted": None if sampled_answers is None else sampled_answers[i * s.samples:(i + 1) * s.samples],
+                "sampled_completions": None if sampled is None else texts[i * s.samples:(i + 1) * s.samples],
+                "sampled_finish": None if sampled is None else sampled.finish_reasons[i * s.samples:(i + 1) * s.samples],
             })
 
     def _evaluated_step(self) -> int:
@@ -313,7 +316,7 @@ class EvaluationMixin:
             json.dump({"stage": stage, "global_step": step, "ckpt_path": self.trainer.ckpt_path, "model": self.model_name,
                        "quantization": self.quantization, "use_adapter": s.use_adapter,
                        "max_new_tokens": s.max_new_tokens, "samples": s.samples, "temperature": s.temperature,
-                       "top_p": s.top_p, "adapter_path": getattr(self, "adapter_path", None), "metrics": results,
+                       "top_p": s.top_p, "seed": s.seed, "pass_k": s.pass_k, "adapter_path": getattr(self, "adapter_path", None), "metrics": results,
                        "completions": self._eval_records}, f, indent=1)
         lines = results_table(results)
         with open(stem + ".md", "w") as f:

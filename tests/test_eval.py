@@ -155,6 +155,11 @@ def test_validate_on_quickstart_logs_pass_at_1_and_writes_report(tmp_path, monke
     report = json.loads(next(Path(cli.trainer.log_dir).glob("eval/val_step0.json")).read_text())
     assert report["metrics"]["arithmetic"]["problems"] == 8
     assert len(report["completions"]["arithmetic"]) == 8
+    # every sampled completion is in the report with its finish reason, and the header has what drew them
+    assert report["seed"] == 0 and report["pass_k"] is None and report["samples"] == 2
+    for r in report["completions"]["arithmetic"]:
+        assert len(r["sampled_completions"]) == len(r["sampled_finish"]) == len(r["sampled_correct"]) == 2
+        assert all(isinstance(t, str) for t in r["sampled_completions"]) and set(r["sampled_finish"]) <= {"stop", "length"}
     md = (Path(cli.trainer.log_dir) / "eval" / "val_step0.md").read_text()
     assert md.count("| arithmetic | 8 |") == 1 and "untrained adapter" in md.splitlines()[0]
 
@@ -215,7 +220,10 @@ def test_sampled_evaluation_is_the_same_at_any_batch_size(tmp_path, monkeypatch)
     assert len(by_8) == 8 and any(len(set(c)) > 1 for c in by_8.values())  # 8 problems, distinct samples
     assert samples("b", "--data.val_prompts_per_batch", "3") == by_8
     assert samples("c", "--model.eval.seed", "1") != by_8
-    assert problem_seeds(0, "gsm8k", {"indices": [5]}) != problem_seeds(0, "math500", {"indices": [5]})
+    assert problem_seeds(0, "gsm8k", {"indices": [5], "prompts": ["p"]}) != problem_seeds(0, "math500", {"indices": [5], "prompts": ["p"]})
+    # a custom data module without indices (each None, or none at all): each problem its own seed, from its text
+    no_index = problem_seeds(0, "set", {"indices": [None, None], "prompts": ["a", "b"]})
+    assert no_index[0] != no_index[1] and no_index == problem_seeds(0, "set", {"prompts": ["a", "b"]})
 
 
 def _record_eval_generations(monkeypatch) -> list[dict]:

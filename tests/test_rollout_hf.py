@@ -447,3 +447,54 @@ def test_rows_that_stop_early_under_top_p_are_not_taken_for_non_finite_logits():
     lengths = [len(c) for c in gen.completion_ids]
     assert min(lengths) < max(lengths) and "stop" in gen.finish_reasons  # rows stopped while others decoded
     assert all(math.isfinite(lp) for row in gen.sampler_logprobs for lp in row)
+
+
+def _tokenizer_with(template: str, eos: str, specials: tuple[str, ...] = ()):
+    from tokenizers import AddedToken
+
+    from qerl.tiny import build_tiny_tokenizer
+    tok = build_tiny_tokenizer()
+    tok.add_tokens([AddedToken(s, special=True) for s in specials], special_tokens=True)
+    tok.chat_template, tok.eos_token = template, eos
+    return tok
+
+
+LLAMA3_TEMPLATE = ("{% for m in messages %}<|start_header_id|>{{ m['role'] }}<|end_header_id|>\n\n{{ m['content'] }}"
+                   "<|eot_id|>{% endfor %}{% if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>"
+                   "\n\n{% endif %}")
+
+
+@pytest.mark.parametrize("template, eos, specials, turn_end", [
+    (None, "<|endoftext|>", (), None),  # the tiny ChatML template, a base model's EOS
+    (LLAMA3_TEMPLATE, "<|endoftext|>", ("<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"), "<|eot_id|>"),
+    ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}", "<|endoftext|>", (), "none"),
+    ("{{ raise_exception('a system message is required') }}", "<|endoftext|>", (), "none"),
+])
+def test_the_chat_templates_end_of_turn_stops_a_completion(template, eos, specials, turn_end):
+    """Qwen2.5-7B (base) has a ChatML template but EOS <|endoftext|>: <|im_end|> must stop its
+    completions too (they ran on to max_new_tokens, truncated, scored on text past the turn). A
+    turn that ends in plain text, or a template that does not render, adds no stop token."""
+    from qerl.rollout.base import end_of_turn_token, stop_token_ids
+    from qerl.tiny import CHATML_TEMPLATE
+    tok = _tokenizer_with(template or CHATML_TEMPLATE, eos, specials)
+    want = tok.convert_tokens_to_ids(turn_end or "<|im_end|>") if turn_end != "none" else None
+    assert end_of_turn_token(tok) == want
+    assert stop_token_ids(tok) == sorted({tok.eos_token_id} | ({want} if want is not None else set()))
+
+
+def test_a_base_tokenizer_stops_at_im_end_in_the_engine():
+    """End to end: a model that soon picks <|im_end|> greedily stops there ('stop'), it does not run on."""
+    model, _ = _policy(quantization="bf16")
+    from qerl.tiny import CHATML_TEMPLATE
+    tok = _tokenizer_with(CHATML_TEMPLATE, "<|endoftext|>")
+    model.generation_config.eos_token_id = tok.eos_token_id
+    im_end = tok.convert_tokens_to_ids("<|im_end|>")
+    with torch.no_grad():
+        model.base_model.model.lm_head.weight[im_end] = 50 * model.base_model.model.model.norm.weight
+    engine = HFEngine.for_model(model, tok)
+    engine.sync(model)
+    prompt = tok.apply_chat_template([{"role": "user", "content": "1+1?"}], add_generation_prompt=True, tokenize=True)
+    prompt = prompt["input_ids"] if isinstance(prompt, dict) or hasattr(prompt, "keys") else prompt
+    gen = engine.generate([list(prompt)], 1, SamplingSettings(0.0, max_new_tokens=8), 0)
+    assert im_end in engine.stop_token_ids and tok.eos_token_id != im_end
+    assert gen.completion_ids[0][-1] == im_end and len(gen.completion_ids[0]) < 8 and gen.finish_reasons[0] == "stop"

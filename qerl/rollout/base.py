@@ -153,12 +153,36 @@ def sample_inverse_cdf(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Ten
 
 
 def stop_token_ids(tokenizer, model: torch.nn.Module | None = None) -> list[int]:
-    """Tokens that end a completion: the tokenizer's EOS plus the model's ``generation_config``
-    EOS ids (Qwen instruct models list both ``<|im_end|>`` and ``<|endoftext|>``)."""
-    stop = [tokenizer.eos_token_id]
+    """Tokens that end a completion: the tokenizer's EOS, the model's ``generation_config`` EOS ids
+    (Qwen instruct models list both ``<|im_end|>`` and ``<|endoftext|>``) and the chat template's
+    end-of-turn token (a base model such as Qwen2.5-7B has a ChatML template but EOS
+    ``<|endoftext|>`` only: without it every completion ran on past its turn to max_new_tokens)."""
+    stop = [tokenizer.eos_token_id, end_of_turn_token(tokenizer)]
     extra = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
     stop += extra if isinstance(extra, list) else ([extra] if extra is not None else [])
     return sorted({t for t in stop if t is not None})
+
+
+def end_of_turn_token(tokenizer) -> int | None:
+    """The special token the chat template closes an assistant turn with (``<|im_end|>``,
+    ``<|eot_id|>``, ``<end_of_turn>``), read off a rendered two-turn chat; None without a template,
+    when rendering fails, or when what follows the turn is plain text (a newline, a role name)."""
+    if not getattr(tokenizer, "chat_template", None):
+        return None
+    marker = "Qz7 qerl turn end"  # text no template adds to, followed by whatever closes the turn
+    try:
+        text = tokenizer.apply_chat_template([{"role": "user", "content": "1 + 1"}, {"role": "assistant", "content": marker}],
+                                             tokenize=False)
+        if not isinstance(text, str) or marker not in text:
+            return None
+        ids = tokenizer(text[text.rindex(marker) + len(marker):], add_special_tokens=False)["input_ids"]
+    except Exception:  # noqa: BLE001 - a template that needs other roles or variables: EOS ids only
+        return None
+    if not ids:
+        return None
+    added = getattr(tokenizer, "added_tokens_decoder", {}) or {}
+    special = ids[0] in set(tokenizer.all_special_ids) or getattr(added.get(ids[0]), "special", False)
+    return int(ids[0]) if special else None
 
 
 def pad_left(seqs: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
