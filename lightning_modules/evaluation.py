@@ -88,6 +88,9 @@ class EvalSettings:
         # first validation, after the training steps before it)
         if not (self.temperature >= 0 and math.isfinite(self.temperature)):
             raise ValueError(f"model.eval.temperature must be >= 0 and finite, got {self.temperature}")
+        if self.temperature == 0 and self.samples > 0:  # n copies of the greedy completion, decoded n times
+            raise ValueError(f"model.eval.temperature 0 makes each of the {self.samples} samples the greedy completion "
+                             "(pass@1 already is it): set eval.samples 0, or a temperature > 0 (the paper's 0.6)")
         if 0 < self.temperature < MIN_TEMPERATURE:  # (logits / T overflows fp32)
             raise ValueError(f"model.eval.temperature must be 0 or >= {MIN_TEMPERATURE:g}, got {self.temperature}")
         if not 0 < self.top_p <= 1:

@@ -354,6 +354,15 @@ def test_non_finite_eval_settings_fail_at_construction(bad):
         EvalSettings(**bad)
 
 
+def test_greedy_samples_are_refused():
+    """temperature 0 with samples > 0 decoded n copies of the greedy completion (mean@n = pass@k = pass@1)."""
+    from lightning_modules.evaluation import EvalSettings
+
+    with pytest.raises(ValueError, match="temperature 0 makes each of the 4 samples the greedy completion"):
+        EvalSettings(samples=4, temperature=0.0)
+    assert EvalSettings(samples=0, temperature=0.0).samples == 0
+
+
 def test_majority_vote_counts_one_wrong_value_however_written():
     from qerl.metrics import majority_vote
 
