@@ -180,6 +180,12 @@ class QeRLCLI(LightningCLI):
     config section that is not a mapping and trainer values Lightning fails on only after a training
     step (``check_sections``, ``check_trainer_settings``), before anything is built."""
 
+    @staticmethod
+    def subcommands() -> dict[str, set[str]]:
+        """fit, validate and test: ``predict`` needs a forward over batches, which a policy trained by
+        rollouts has no use for (evaluation generates in validate / test)."""
+        return {name: args for name, args in LightningCLI.subcommands().items() if name != "predict"}
+
     def add_arguments_to_parser(self, parser) -> None:
         # Configs saved by earlier versions hold `optimizer: null` / `lr_scheduler: null` (Lightning's
         # auto-configured options, now off): accepted there and hidden; a value is refused below

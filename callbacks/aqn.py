@@ -53,7 +53,7 @@ class AQNCallback(L.Callback):
         self.controller = controller if controller is not None else ExponentialSchedule()
         self.apply_to = apply_to
         self.module_names = module_names or ["input_layernorm", "post_attention_layernorm"]
-        self.seed = resolve_seed(seed)
+        self.seed = resolve_seed(seed, "AQNCallback.seed")
         self.history = history
         window = int(getattr(self.controller, "window", 0) or 0)  # a closed-loop controller's moving average
         if history < max(1, window):

@@ -133,7 +133,7 @@ class RolloutCallback(L.Callback):
         self.overlong_penalty = overlong_penalty
         self.log_every = log_completions_every_n_steps
         self.num_to_log = num_completions_to_log
-        self.seed = resolve_seed(seed)
+        self.seed = resolve_seed(seed, "RolloutCallback.seed")
         self.vllm = vllm or VLLMSettings()
         self.engine: RolloutEngine | None = None  # never an nn.Module attribute: not moved, not checkpointed
 

@@ -104,8 +104,9 @@ class PromptDataModule(L.LightningDataModule):
             null: the run's ``seed_everything``.
         num_workers: DataLoader worker processes (0: load in the main process).
         tokenizer_name_or_path: Tokenizer to load here (HF id or path; ``tiny-qwen2`` /
-            ``tiny-llama`` for the built-in tiny one). None: use the model's tokenizer, given by
-            `set_tokenizer` or found as ``trainer.lightning_module.tokenizer``.
+            ``tiny-llama`` for the built-in tiny one) when the data module is used on its own;
+            refused under train.py, whose model brings its tokenizer. None: use the model's
+            tokenizer, given by `set_tokenizer` or found as ``trainer.lightning_module.tokenizer``.
     """
 
     def __init__(
@@ -171,7 +172,7 @@ class PromptDataModule(L.LightningDataModule):
         self.num_train_examples = num_train_examples
         self.num_val_examples = num_val_examples
         self.val_prompts_per_batch = val_prompts_per_batch or prompts_per_step
-        self.seed = resolve_seed(seed)
+        self.seed = resolve_seed(seed, "data.seed")
         self.num_workers = num_workers
         self.tokenizer_name_or_path = tokenizer_name_or_path
 
@@ -242,6 +243,9 @@ class PromptDataModule(L.LightningDataModule):
                 self._load("test", name)
         if self.tokenizer is None and self.trainer is not None:
             module_tokenizer = getattr(self.trainer.lightning_module, "tokenizer", None)
+            if module_tokenizer is not None and self.tokenizer_name_or_path:
+                raise ValueError(f"data.tokenizer_name_or_path ({self.tokenizer_name_or_path!r}) is for the data module on its "
+                                 "own; here prompts are tokenized with the model's tokenizer (model.model): remove it")
             if module_tokenizer is not None:
                 self.set_tokenizer(module_tokenizer)
 

@@ -27,6 +27,7 @@ from qerl.model import base_model_only
 from qerl.rewards import MathAccuracy
 from qerl.rollout import SamplingSettings
 from qerl.rollout.base import MIN_TEMPERATURE, derive_seed
+from qerl.seeding import check_seed
 from qerl.settings_checks import require_numbers
 
 
@@ -96,6 +97,7 @@ class EvalSettings:
         if not 0 < self.top_p <= 1:
             raise ValueError(f"model.eval.top_p must be in (0, 1], got {self.top_p}")
         PassAtK(self.samples, self.pass_k)  # a bad pass_k: its own message
+        check_seed(self.seed, "model.eval.seed")
 
 
 def problem_seeds(seed: int, dataset: str, batch: dict) -> list[int]:

@@ -45,6 +45,7 @@ from lightning_modules.step_metrics import StepMetricsMixin
 from qerl.model import LoraSettings, base_model_only, load_policy, load_tokenizer
 from qerl.rollout import Rollout
 from qerl.seeding import resolve_seed
+from qerl.settings_checks import require_counts
 
 log = logging.getLogger(__name__)
 
@@ -98,7 +99,7 @@ class QeRLModule(PolicyForwardMixin, ResumeMixin, EvaluationMixin, StepMetricsMi
             warnings.filterwarnings("ignore", message=message)
         self.automatic_optimization = False
         self.strict_loading = False  # checkpoints hold only the trainable params
-        self.model_name, self.quantization, self.dtype_name, self.seed = model, quantization, dtype, resolve_seed(seed)
+        self.model_name, self.quantization, self.dtype_name, self.seed = model, quantization, dtype, resolve_seed(seed, "model.seed")
         self.lora_settings = lora or LoraSettings()
         self.loss_settings = loss or LossSettings()
         self.optim_settings = optimizer or OptimizerSettings()
@@ -106,6 +107,7 @@ class QeRLModule(PolicyForwardMixin, ResumeMixin, EvaluationMixin, StepMetricsMi
         self.adapter_path = adapter_path
         self.gradient_checkpointing = gradient_checkpointing
         self.fused_ops, self.cudnn_attention = fused_ops, cudnn_attention
+        require_counts("model", (("warn_after_steps", warn_after_steps, 1, None),))  # 0 warned every healthy step
         self.warn_after_steps = warn_after_steps
         self.model: torch.nn.Module | None = None
         self._tokenizer = None

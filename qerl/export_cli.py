@@ -57,6 +57,15 @@ def _check_paths(parser: argparse.ArgumentParser, args: argparse.Namespace) -> N
     is_ckpt = str(args.adapter or "").endswith(".ckpt")
     if args.format == "adapter" and not is_ckpt:
         parser.error("--format adapter converts a training checkpoint: pass --adapter PATH.ckpt")
+    if args.format == "adapter":  # nothing is loaded or cast: a base flag there did nothing, silently
+        given = [flag for flag, value in (("--model", args.model), ("--dtype", args.dtype), ("--device", args.device),
+                                          ("--seed", args.seed), ("--from-nvfp4", args.from_nvfp4),
+                                          ("--from-trained-base", args.from_trained_base)) if value not in (None, False)]
+        if given:
+            parser.error(f"--format adapter copies the checkpoint's adapter as it is: {', '.join(given)} would do nothing")
+    if args.from_nvfp4 and args.format != "bf16":
+        parser.error("--from-nvfp4 goes with --format bf16 (an nvfp4 export writes the NVFP4 codes themselves)")
+    args.dtype, args.device = args.dtype or "bf16", args.device or "cpu"  # (the defaults, once it is known they were not given)
     if args.format != "adapter" and not args.model:
         parser.error("--model is required (unless --format adapter)")
     if is_ckpt and not Path(args.adapter).is_file():
@@ -258,10 +267,10 @@ def main(argv: list[str] | None = None) -> Path:
     parser.add_argument("--overwrite", action="store_true", help="replace the export already in --out")
     parser.add_argument("--adapter", default=None,
                         help="peft adapter dir (written by export_adapter / save_pretrained) or a training .ckpt")
-    parser.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"],
-                        help="dtype of the dense tensors (a training .ckpt's base is built in its own dtype first; "
-                             "fp32 keeps an fp32 run's exactly)")
-    parser.add_argument("--device", default="cpu", help="where to quantize (cuda is faster for big models)")
+    parser.add_argument("--dtype", default=None, choices=["bf16", "fp16", "fp32"],
+                        help="dtype of the dense tensors (default bf16; a training .ckpt's base is built in its own "
+                             "dtype first; fp32 keeps an fp32 run's exactly)")
+    parser.add_argument("--device", default=None, help="where to quantize (default cpu; cuda is faster for big models)")
     parser.add_argument("--from-nvfp4", action="store_true",
                         help="with --format bf16: export the dequantized NVFP4 weights instead of the originals")
     parser.add_argument("--from-trained-base", action="store_true",

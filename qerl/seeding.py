@@ -2,17 +2,26 @@
 
 from __future__ import annotations
 
+import numbers
 import os
 
 
-def resolve_seed(seed: int | None) -> int:
+def resolve_seed(seed: int | None, key: str) -> int:
     """``seed`` if given, else the seed of the run (``seed_everything`` of the CLI config, which
     Lightning exports as ``PL_GLOBAL_SEED`` before the classes are built), else 0. So changing
     ``seed_everything`` changes the prompt order, the rollout sampler and the AQN noise together,
-    while an explicit per-component seed still pins that component alone."""
+    while an explicit per-component seed still pins that component alone. A given seed must be an
+    integer in [0, 2**63) (torch's generators take int64); ``key`` names it in the error."""
     if seed is not None:
+        check_seed(seed, key, " or null (seed_everything's)")
         return int(seed)
     return int(os.environ.get("PL_GLOBAL_SEED", 0))
+
+
+def check_seed(seed, key: str, alternative: str = "") -> None:
+    """A ValueError naming ``key`` unless ``seed`` is an integer in [0, 2**63)."""
+    if isinstance(seed, bool) or not isinstance(seed, numbers.Integral) or not 0 <= seed < 2**63:
+        raise ValueError(f"{key} must be an integer in [0, 2**63){alternative}, got {seed!r}")
 
 
 def warn_if_seed_changed(what: str, saved: int | None, current: int) -> None:

@@ -409,10 +409,17 @@ def test_non_finite_logits_while_generating_are_one_line(tmp_path, monkeypatch, 
     ("--model.optimizer.max_grad_norm=null", "model.optimizer.max_grad_norm must be a number, got null"),
     ("--model.loss.kl_coef=null", "model.loss.kl_coef must be a number, got null"),
     ("--model.eval.samples=null", "model.eval.samples must be an integer, got null"),
+    # seeds: negative ones were accepted (but data.seed's), a huge one overflowed in torch without a name
+    ("--model.seed=-5", "model.seed must be an integer in [0, 2**63) or null"),
+    ("--model.seed=99999999999999999999", "model.seed must be an integer in [0, 2**63) or null"),
+    ("--model.eval.seed=-1", "model.eval.seed must be an integer in [0, 2**63), got -1"),
+    ("--model.warn_after_steps=0", "model.warn_after_steps must be >= 1"),  # 0 warned on every healthy step
+    # ignored under the CLI (prompts were tokenized with the model's tokenizer whatever it named)
+    ("--data.tokenizer_name_or_path=/nonexistent", "data.tokenizer_name_or_path ('/nonexistent') is for the data module"),
 ])
 def test_a_null_or_empty_number_is_one_line_naming_its_key(tmp_path, monkeypatch, capsys, arg, message):
     """`null` for a number reached a comparison (`'>' not supported between NoneType and int`, or a
-    TypeError inside peft) without naming the setting."""
+    TypeError inside peft) without naming the setting; other values a run cannot use likewise."""
     import train
 
     monkeypatch.chdir(tmp_path)
@@ -498,3 +505,13 @@ def test_reward_by_source_reduces_sums_and_counts_over_ranks():
     # rows count for no set, the other rank's do
     assert TwoRanks()._reward_by_source(rollout([1.0], [])) == {"train/reward_by_source/a": 1.0,
                                                                 "train/reward_by_source/b": 0.0}
+
+
+def test_predict_is_not_offered(monkeypatch, capsys):
+    """Lightning's `predict` needs a forward over batches; it failed with a MisconfigurationException."""
+    import train
+
+    monkeypatch.setattr("sys.argv", ["train.py", "predict", "--config", QUICKSTART])
+    with pytest.raises(SystemExit) as code:
+        train.cli_entry()
+    assert code.value.code == 2 and "invalid choice: 'predict' (choose from 'fit', 'validate', 'test')" in capsys.readouterr().err

@@ -496,6 +496,21 @@ def test_cli_refuses_to_clobber(tmp_path, capsys):
     assert "cannot load --model" in err and "usage:" not in err, err  # one line each, no usage block
 
 
+@pytest.mark.parametrize("argv, message", [
+    (["--format", "nvfp4", "--from-nvfp4"], "--from-nvfp4 goes with --format bf16"),
+    (["--format", "adapter", "--dtype", "fp16"], "--dtype would do nothing"),
+    (["--format", "adapter", "--model", "tiny-qwen2", "--seed", "3"], "--model, --seed would do nothing"),
+])
+def test_cli_refuses_flags_that_would_do_nothing(tmp_path, capsys, argv, message):
+    """A flag the chosen format ignores was accepted silently (exit 0, the user's dtype not applied)."""
+    (tmp_path / "last.ckpt").write_bytes(b"")  # (the flags are refused before the checkpoint is read)
+    model = [] if "--model" in argv or "adapter" in argv else ["--model", "tiny-qwen2"]
+    adapter = ["--adapter", str(tmp_path / "last.ckpt")] if "adapter" in argv else []
+    with pytest.raises(SystemExit):
+        main([*model, *argv, *adapter, "--out", str(tmp_path / "out")])
+    assert message in capsys.readouterr().err and not (tmp_path / "out").exists()
+
+
 def test_unshared_group_scales_are_refused(tmp_path):
     model, tok = load_policy("tiny-qwen2", "nvfp4", None, dtype="bf16")
     k = model.model.layers[0].self_attn.k_proj.weight
