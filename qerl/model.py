@@ -63,6 +63,10 @@ _LOAD_ERRORS = (OSError, ValueError, RuntimeError, KeyError, struct.error, Safet
 
 def _load_error(name_or_path: str, err: Exception) -> ValueError:
     cause = " ".join(str(err).split())[:300] or type(err).__name__  # one line, the whole cause
+    path = os.path.expanduser(name_or_path)
+    if os.path.isfile(path) or os.path.isdir(path):  # it was found: its files are what failed
+        what = "the file" if os.path.isfile(path) else "the folder's config, weights or tokenizer"
+        return ValueError(f"cannot load model {name_or_path!r}: {what} could not be read ({cause})")
     return ValueError(
         f"cannot load model {name_or_path!r}: not a tiny model name ({', '.join(TINY_MODEL_NAMES)}), "
         f"a local model directory, a .gguf file, or a reachable Hugging Face id ({cause})"

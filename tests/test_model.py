@@ -255,6 +255,18 @@ def test_models_qerl_cannot_quantize_whole_and_folders_without_a_tokenizer_fail_
         load_policy(str(tmp_path / "phi3"), "nvfp4", None)
 
 
+def test_a_local_folder_with_truncated_weights_says_so(tmp_path):
+    """It was told it was 'not a tiny model name, a local model directory, ...', which it is."""
+    from qerl.export import export_bf16
+
+    out = export_bf16(*load_policy("tiny-qwen2", "bf16", None, dtype="bf16"), tmp_path / "m")
+    weights = out / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:100])
+    with pytest.raises(ValueError, match=r"^cannot load model '.*': the folder's config, weights or tokenizer could "
+                                         r"not be read \(.*\)$"):
+        load_policy(str(out), "nvfp4", None)
+
+
 def test_mixture_of_experts_is_refused_and_only_the_decoder_linears_are_quantized():
     """Qwen2-MoE's shared expert has gate/up/down_proj: a search by short name took it for the MLP,
     and the router and the routed experts' fused 3-D weights stayed 16-bit without LoRA, silently."""
