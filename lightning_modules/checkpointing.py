@@ -123,8 +123,8 @@ class ResumeMixin:
                 "eval": self.eval_settings}
 
     def _resolved_settings(self) -> dict:
-        """The LoRA, loss, optimizer and eval settings that run, as dicts (hyper_parameters hold None
-        for a section the config left out): saved as ``qerl_settings`` and compared on resume."""
+        """The LoRA, loss, optimizer and eval settings that run, as dicts (hyper_parameters may hold
+        None for a section: a config saved before the defaults were printed, or a module built in Python): saved as ``qerl_settings`` and compared on resume."""
         return {section: _plain(settings) for section, settings in self._settings_sections().items()}
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:

@@ -25,6 +25,7 @@ callback state; the frozen base is rebuilt from ``model`` on resume, and the con
 from __future__ import annotations
 
 import contextlib
+import copy
 import logging
 import time
 import warnings
@@ -82,10 +83,10 @@ class QeRLModule(PolicyForwardMixin, ResumeMixin, EvaluationMixin, StepMetricsMi
         model: str = "tiny-qwen2",
         quantization: Literal["bf16", "nf4", "nvfp4"] = "nvfp4",
         dtype: Literal["bf16", "fp32", "fp16"] = "bf16",
-        lora: LoraSettings | None = None,
-        loss: LossSettings | None = None,
-        optimizer: OptimizerSettings | None = None,
-        eval: EvalSettings | None = None,
+        lora: LoraSettings | None = LoraSettings(),
+        loss: LossSettings | None = LossSettings(),
+        optimizer: OptimizerSettings | None = OptimizerSettings(),
+        eval: EvalSettings | None = EvalSettings(),
         adapter_path: str | None = None,
         gradient_checkpointing: bool = False,
         fused_ops: bool = True,
@@ -100,10 +101,12 @@ class QeRLModule(PolicyForwardMixin, ResumeMixin, EvaluationMixin, StepMetricsMi
         self.automatic_optimization = False
         self.strict_loading = False  # checkpoints hold only the trainable params
         self.model_name, self.quantization, self.dtype_name, self.seed = model, quantization, dtype, resolve_seed(seed, "model.seed")
-        self.lora_settings = lora or LoraSettings()
-        self.loss_settings = loss or LossSettings()
-        self.optim_settings = optimizer or OptimizerSettings()
-        self.eval_settings = eval or EvalSettings()
+        # own copies: the defaults above are one instance per process (printed by --print_config and
+        # saved in config.yaml, where null hid what ran), and a module may change its settings
+        self.lora_settings = copy.deepcopy(lora or LoraSettings())
+        self.loss_settings = copy.deepcopy(loss or LossSettings())
+        self.optim_settings = copy.deepcopy(optimizer or OptimizerSettings())
+        self.eval_settings = copy.deepcopy(eval or EvalSettings())
         self.adapter_path = adapter_path
         self.gradient_checkpointing = gradient_checkpointing
         self.fused_ops, self.cudnn_attention = fused_ops, cudnn_attention

@@ -3,6 +3,7 @@
 from pathlib import Path
 
 import pytest
+import yaml
 
 from train import main
 
@@ -93,3 +94,28 @@ def test_nested_config_errors_are_one_short_line(tmp_path, capsys):
             main(["fit", "--config", str(path), "--print_config"])
         err = capsys.readouterr().err.strip()
         assert len(err.splitlines()) == 1 and reason in err and "Subtypes" not in err and "Given value" not in err, err
+
+
+def test_print_config_shows_the_defaults_of_sections_left_out(capsys):
+    """The 7B recipes leave `model.eval` out: it printed (and a run's config.yaml saved) `eval: null`
+    while EvalSettings' defaults ran; a saved config should say what ran."""
+    recipe = CONFIGS[0].parent / "gsm8k_qwen2.5-7b_grpo.yaml"
+    assert "\n  eval:" not in recipe.read_text()
+    with pytest.raises(SystemExit):
+        main(["fit", "--config", str(recipe), "--print_config"])
+    printed = yaml.safe_load(capsys.readouterr().out)["model"]
+    assert printed["eval"]["max_new_tokens"] == 1024 and printed["eval"]["samples"] == 0
+    for section in ("lora", "loss", "optimizer"):
+        assert isinstance(printed[section], dict), section
+
+
+def test_default_settings_are_not_shared_between_modules():
+    """The section defaults are one instance per process: a module changing its own (as a test or a
+    script may) must not change the next module's."""
+    from lightning_modules.qerl_module import QeRLModule
+
+    first, second = QeRLModule(), QeRLModule()
+    first.eval_settings.engine = "hf"
+    first.loss_settings.kl_coef = 0.5
+    assert second.eval_settings.engine == "rollout" and second.loss_settings.kl_coef == 0.0
+    assert QeRLModule().eval_settings.engine == "rollout"
