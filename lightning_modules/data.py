@@ -105,7 +105,7 @@ class PromptDataModule(L.LightningDataModule):
         num_workers: DataLoader worker processes (0: load in the main process).
         tokenizer_name_or_path: Tokenizer to load here (HF id or path; ``tiny-qwen2`` /
             ``tiny-llama`` for the built-in tiny one) when the data module is used on its own;
-            refused under train.py, whose model brings its tokenizer. None: use the model's
+            refused beside a LightningModule that has a ``tokenizer`` (train.py's model brings its own). None: use the model's
             tokenizer, given by `set_tokenizer` or found as ``trainer.lightning_module.tokenizer``.
     """
 

@@ -37,7 +37,7 @@ from lightning.pytorch.utilities import rank_zero_warn
 
 from qerl.attention_masks import cudnn_attention_enabled, without_cudnn_attention
 from qerl.losses import group_advantages, high_entropy_mask, masked_mean, policy_loss, truncated_is_weights
-from lightning_modules.checkpointing import ResumeMixin
+from lightning_modules.checkpointing import ResumeMixin, _plain
 from lightning_modules.policy_forward import PolicyForwardMixin, forward_window  # noqa: F401  (forward_window: benchmarks)
 from lightning_modules.settings import LIGHTNING_ADVICE_THAT_DOES_NOT_APPLY, lr_factor, param_groups, step_count_warnings
 from lightning_modules.settings import LossSettings, OptimizerSettings  # noqa: F401  (the CLI's model.loss, .optimizer)
@@ -96,6 +96,8 @@ class QeRLModule(PolicyForwardMixin, ResumeMixin, EvaluationMixin, StepMetricsMi
     ):
         super().__init__()
         self.save_hyperparameters()
+        for section in ("lora", "loss", "optimizer", "eval"):  # plain dicts, as the CLI passes them: a checkpoint's
+            self.hparams[section] = _plain(self.hparams[section])  # weights_only load refuses the dataclasses
         for message in LIGHTNING_ADVICE_THAT_DOES_NOT_APPLY:  # (before fit / validate / test start)
             warnings.filterwarnings("ignore", message=message)
         self.automatic_optimization = False
@@ -307,8 +309,9 @@ class QeRLModule(PolicyForwardMixin, ResumeMixin, EvaluationMixin, StepMetricsMi
                     share = sampled.sum().item() / sampled_tokens
                     pre["entropy"] += float(masked_mean(logged_entropy, sampled)) * share
                     raw_ratio = torch.exp((old - sampler_logprobs[mb]).clamp(max=20))
-                    # a NaN sampler log-prob gets IS weight 0 in the loss; here it is left out, not the step's mean
-                    valid = sampled.bool() & torch.isfinite(raw_ratio)
+                    # a NaN / -inf sampler log-prob (IS weight 0 or the cap in the loss) is left out here: not
+                    # the step's mean (NaN), nor e^20 after the clamp
+                    valid = sampled.bool() & torch.isfinite(sampler_logprobs[mb]) & torch.isfinite(raw_ratio)
                     valid_share = valid.sum().item() / sampled_tokens
                     pre["is_ratio"] += float(masked_mean(raw_ratio.nan_to_num(0.0), valid)) * valid_share
                     pre["is_weight"] += valid_share

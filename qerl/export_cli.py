@@ -60,7 +60,7 @@ def _check_paths(parser: argparse.ArgumentParser, args: argparse.Namespace) -> N
     if args.format == "adapter":  # nothing is loaded or cast: a base flag there did nothing, silently
         given = [flag for flag, value in (("--model", args.model), ("--dtype", args.dtype), ("--device", args.device),
                                           ("--seed", args.seed), ("--from-nvfp4", args.from_nvfp4),
-                                          ("--from-trained-base", args.from_trained_base)) if value not in (None, False)]
+                                          ("--from-trained-base", args.from_trained_base)) if value is not None and value is not False]
         if given:
             parser.error(f"--format adapter copies the checkpoint's adapter as it is: {', '.join(given)} would do nothing")
     if args.from_nvfp4 and args.format != "bf16":

@@ -119,3 +119,16 @@ def test_default_settings_are_not_shared_between_modules():
     first.loss_settings.kl_coef = 0.5
     assert second.eval_settings.engine == "rollout" and second.loss_settings.kl_coef == 0.0
     assert QeRLModule().eval_settings.engine == "rollout"
+
+
+def test_a_python_built_modules_hyperparameters_load_weights_only(tmp_path):
+    """The default sections are dataclasses; hyper_parameters hold them as dicts, or a checkpoint of a
+    module built in Python fails torch.load(weights_only=True) (what resume uses) with 'Unsupported global'."""
+    import torch
+
+    from lightning_modules.qerl_module import QeRLModule
+
+    hparams = dict(QeRLModule().hparams)
+    assert all(isinstance(hparams[s], dict) for s in ("lora", "loss", "optimizer", "eval"))
+    torch.save({"hyper_parameters": hparams}, tmp_path / "h.ckpt")
+    assert torch.load(tmp_path / "h.ckpt", weights_only=True)["hyper_parameters"]["eval"]["max_new_tokens"] == 1024

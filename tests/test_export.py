@@ -500,6 +500,7 @@ def test_cli_refuses_to_clobber(tmp_path, capsys):
     (["--format", "nvfp4", "--from-nvfp4"], "--from-nvfp4 goes with --format bf16"),
     (["--format", "adapter", "--dtype", "fp16"], "--dtype would do nothing"),
     (["--format", "adapter", "--model", "tiny-qwen2", "--seed", "3"], "--model, --seed would do nothing"),
+    (["--format", "adapter", "--seed", "0"], "--seed would do nothing"),
 ])
 def test_cli_refuses_flags_that_would_do_nothing(tmp_path, capsys, argv, message):
     """A flag the chosen format ignores was accepted silently (exit 0, the user's dtype not applied)."""

@@ -339,15 +339,16 @@ def test_logged_scalars_equal_their_definitions(policy, mismatched, tmp_path):
         assert logged[key] == pytest.approx(float(value), rel=1e-4, abs=1e-6), key
 
 
-def test_is_ratio_leaves_out_a_nan_sampler_logprob(policy, mismatched, tmp_path):
-    """A NaN sampler log-prob gets IS weight 0 in the loss; the logged mean ratio is over the other
-    sampled tokens (one NaN made the whole step's curve NaN)."""
+def test_is_ratio_leaves_out_non_finite_sampler_logprobs(policy, mismatched, tmp_path):
+    """A NaN or -inf sampler log-prob: the logged mean ratio is over the other sampled tokens (one NaN
+    made the whole step's curve NaN, one -inf added e^20)."""
     broken = copy.deepcopy(mismatched)
     valid = broken.completion_mask.bool()
-    row, col = valid.nonzero()[3].tolist()
-    broken.sampler_logprobs[row, col] = float("nan")
     keep = valid.clone()
-    keep[row, col] = False
+    for which, value in ((3, float("nan")), (5, float("-inf"))):  # (-inf gave e^20 after the clamp)
+        row, col = valid.nonzero()[which].tolist()
+        broken.sampler_logprobs[row, col] = value
+        keep[row, col] = False
     logged = fit(policy, broken, tmp_path / "run").logged
     assert logged["train/is_ratio/mean"] == pytest.approx(float(torch.exp(-OFFSET)[keep].mean()), rel=1e-4)
 
