@@ -50,10 +50,19 @@ class DataPosition:
 
     def check_resumed_settings(self, now: Mapping[str, Any]) -> None:
         """Warn about each of ``now`` that differs from the loaded checkpoint's (one it does not record
-        is not compared); once per `load_state_dict`, nothing without one."""
+        is not compared); once per `load_state_dict`, nothing without one. A new global batch size
+        (``prompts_per_step`` x ``world_size``) converts the position: the checkpoint counted batches
+        of its own size, so batch b would otherwise be read at another prompt offset of the epoch."""
         meta, self._loaded = self._loaded, None
         if not meta:
             return
+        old_size, new_size = _global_batch(meta), _global_batch(now)
+        if old_size and new_size and old_size != new_size and self.next_batch[1] > 0:
+            epoch, b = self.next_batch
+            offset = b * old_size  # prompts of this epoch's permutation already trained on
+            self.next_batch = (epoch, -(-offset // new_size))  # the first batch after them: none repeats
+            logger.info("data position: batch %d of %d prompts = batch %d of %d (epoch %d)", b, old_size,
+                        self.next_batch[1], new_size, epoch)
         changed = {k: (meta.get(k), v) for k, v in now.items() if meta.get(k) is not None and meta.get(k) != v}
         if changed:
             logger.warning(
@@ -61,3 +70,9 @@ class DataPosition:
                 " after resume differs from the original run",
                 changed,
             )
+
+
+def _global_batch(settings: Mapping[str, Any]) -> int | None:
+    """Prompts per global training batch (``prompts_per_step`` x ``world_size``), None if unrecorded."""
+    per_rank, world = settings.get("prompts_per_step"), settings.get("world_size")
+    return int(per_rank) * int(world) if per_rank and world else None

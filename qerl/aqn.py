@@ -325,7 +325,9 @@ class AdaptiveNoise(NoiseController):
         return sum(xs[-self.window:]) / self.window if len(xs) >= self.window else None
 
     def sigma(self, step: int, state: MonitorState | None = None) -> float:
-        if step == self.last_step:
+        if step == self.last_step:  # (the same step again: a resume from a checkpoint saved inside it)
+            if state is not None:
+                self.base.sigma(step, state)  # the base learns max_steps there, which stage() needs
             return self.last_sigma
         state = state if state is not None else MonitorState()
         base = self.base.sigma(step, state)

@@ -263,6 +263,17 @@ def test_adaptive_state_round_trip():
     assert 1.0 in flags[:30] and 0.0 in flags[30:] and 1.0 in flags[45:]  # boost, relax, boost again
 
 
+def test_adaptive_resumed_at_its_last_step_knows_its_stage():
+    """A checkpoint saved inside a step (save_on_exception) resumes at the step the controller last
+    computed: the cached sigma skipped the base, whose max_steps (from the trainer) stage() needs."""
+    state = MonitorState(max_steps=100)
+    first = AdaptiveNoise(base=ExponentialSchedule())
+    sigma = first.sigma(50, state)
+    fresh = AdaptiveNoise(base=ExponentialSchedule())
+    fresh.load_state_dict(first.state_dict())
+    assert fresh.sigma(50, state) == sigma and fresh.stage(50) == first.stage(50) == 5
+
+
 def test_controllers_parse_from_yaml():
     from jsonargparse import ArgumentParser
 

@@ -414,6 +414,7 @@ def test_non_finite_logits_while_generating_are_one_line(tmp_path, monkeypatch, 
     ("--model.seed=99999999999999999999", "model.seed must be an integer in [0, 2**63) or null"),
     ("--model.eval.seed=-1", "model.eval.seed must be an integer in [0, 2**63), got -1"),
     ("--model.warn_after_steps=0", "model.warn_after_steps must be >= 1"),  # 0 warned on every healthy step
+    ("--trainer.precision=bf16-true", "trainer.precision bf16-true: leave it at 32-true"),  # cast LoRA, lost the data position
     # ignored under the CLI (prompts were tokenized with the model's tokenizer whatever it named)
     ("--data.tokenizer_name_or_path=/nonexistent", "data.tokenizer_name_or_path ('/nonexistent') is for the data module"),
 ])

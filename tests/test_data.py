@@ -462,6 +462,21 @@ def test_resume_yields_next_unseen_batch(tokenizer):
     assert resumed.state_dict()["epoch"] == 1 and resumed.state_dict()["batches_consumed"] == 12
 
 
+@pytest.mark.parametrize("new_size", [8, 2, 3])
+def test_resume_with_another_prompts_per_step_neither_skips_a_batch_nor_repeats(tokenizer, new_size):
+    """The position counts batches of the checkpoint's size: 3 batches of 4 prompts read as batch 3
+    of 8 started at prompt 24 (12 skipped), of 2 at prompt 6 (6 repeated). Now it continues at the
+    first batch boundary at or after prompt 12 of the epoch's order."""
+    dm = make_dm(tokenizer, seed=7)
+    seen = [i for batch in take(dm, 3) for i in batch["indices"]]  # 12 prompts of epoch 0
+    resumed = make_dm(tokenizer, seed=7, prompts_per_step=new_size)
+    resumed.load_state_dict(dm.state_dict())
+    order = [i for batch in take(make_dm(tokenizer, seed=7, prompts_per_step=1), 30) for i in batch["indices"]]
+    first = next(iter(resumed.train_dataloader()))["indices"]
+    start = -(-12 // new_size) * new_size  # 12 when it divides, else the next boundary (15 for 3)
+    assert first == order[start:start + new_size] and not set(first) & set(seen)
+
+
 def test_resume_on_another_train_source_names_it(tokenizer, caplog):
     dm = make_dm(tokenizer, seed=7)
     take(dm, 1)
