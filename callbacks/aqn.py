@@ -139,6 +139,9 @@ class AQNCallback(L.Callback):
     def on_test_end(self, trainer, pl_module) -> None:
         self._noise_restore()
 
+    def on_exception(self, trainer, pl_module, exception) -> None:
+        self._noise_restore()  # a validation that raised: the next fit in this process trains with noise again
+
     def state_dict(self) -> dict:
         return {
             "controller": self.controller.state_dict(),

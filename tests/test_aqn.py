@@ -217,6 +217,21 @@ def test_callback_logs_an_undefined_boost_as_nan_and_unfilled_averages_not_at_al
     assert math.isnan(logged[-1]["aqn/boost"]) and logged[-1]["aqn/reward_ma"] == pytest.approx(0.3)
 
 
+def test_a_validation_that_raises_turns_the_noise_back_on():
+    """on_validation_start turns the noise off until on_validation_end, which an exception skips: a
+    second fit in the same process (a notebook) then trained without its noise."""
+    from types import SimpleNamespace
+
+    from callbacks import AQNCallback
+
+    norms = attach_noisy_norms(build_tiny_model("qwen2"))
+    cb, module = AQNCallback(), SimpleNamespace(noisy_norms=norms)
+    cb.on_validation_start(None, module)
+    assert not norms.is_enabled
+    cb.on_exception(None, module, RuntimeError("validation failed"))
+    assert norms.is_enabled
+
+
 def test_too_few_steps_for_the_stages_warns_unless_the_schedule_has_its_own_max_steps(caplog):
     from types import SimpleNamespace
 
