@@ -19,6 +19,7 @@ from lightning_modules.data import PromptDataModule
 from lightning_modules.evaluation import claim_unused_path
 from lightning_modules.qerl_module import QeRLModule
 from qerl.rollout.base import NonFiniteLogits
+from qerl.settings_checks import require_full_precision
 
 
 _UNION_LIST = re.compile(r"Does not validate against any of the Union subtypes Subtypes: .*? Errors: - ")
@@ -73,14 +74,9 @@ def check_sections(config) -> None:
 def check_trainer_settings(trainer) -> None:
     """Trainer values Lightning takes and fails on only later: ``val_check_interval`` 0 ran a training
     step and then divided by it (a ZeroDivisionError from Lightning's loop); a negative or NaN one
-    never validates. (A time, or a float, which Lightning refuses itself here: its own checks.)
-    ``precision`` other than 32: model.dtype sets the base's dtype and LoRA trains in fp32 masters;
-    a ``*-true`` precision cast those to 16-bit and rebuilt each batch (the data position riding on
-    it was lost: a resume restarted the prompt stream), ``*-mixed`` autocast the NVFP4 path."""
-    precision = trainer.get("precision") if trainer is not None else None
-    if precision is not None and str(precision) not in ("32", "32-true"):
-        raise ValueError(f"trainer.precision {precision}: leave it at 32-true; model.dtype sets the base model's dtype "
-                         "(bf16 | fp16 | fp32) and the LoRA weights train in fp32")
+    never validates. (A time, or a float, which Lightning refuses itself here: its own checks.) And
+    ``precision`` (``require_full_precision``), before the model loads."""
+    require_full_precision(trainer.get("precision") if trainer is not None else None)
     value = trainer.get("val_check_interval") if trainer is not None else None
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         return  # None, or a time ("DD:HH:MM:SS", a timedelta or its dict): Lightning's to check

@@ -212,6 +212,7 @@ class RolloutCallback(L.Callback):
         prompt_ids, prompts, answers = list(batch["prompt_ids"]), list(batch["prompts"]), list(batch["answers"])
         sources = list(batch.get("sources") or [""] * len(prompt_ids))  # (per-source reward curves)
         target_groups = len(prompt_ids)
+        in_step = set(zip(sources, batch.get("indices") or []))  # (source, index): refills pass over these
         t0 = time.perf_counter()
         norm_scales = pl_module.noisy_norms.effective_scales() if pl_module.noisy_norms is not None else None
         self.engine.sync(pl_module.model, norm_scales)
@@ -224,7 +225,7 @@ class RolloutCallback(L.Callback):
             for round_ in range(1, self.max_refill_rounds + 1):
                 if not self.dynamic_sampling or len(kept) >= target_groups:
                     break
-                extra = self._draw_extra_prompts(trainer, target_groups, step * 100 + round_)
+                extra = self._draw_extra_prompts(trainer, target_groups, step * 100 + round_, in_step)
                 if extra is None:
                     break
                 more, more_dropped = self._sample_groups(*extra, pl_module, step, round_, timings)
@@ -293,12 +294,14 @@ class RolloutCallback(L.Callback):
         return kept, dropped
 
     @staticmethod
-    def _draw_extra_prompts(trainer, num_prompts: int, seed: int):
+    def _draw_extra_prompts(trainer, num_prompts: int, seed: int, in_step: set):
+        """A refill's prompts, none of ``in_step`` while the data allows; adds theirs to it."""
         dm = trainer.datamodule
         if dm is None or not hasattr(dm, "draw_extra"):
             return None
-        extra = dm.draw_extra(num_prompts, seed)
+        extra = dm.draw_extra(num_prompts, seed, exclude=in_step)
         sources = list(extra.get("sources") or [""] * len(extra["prompt_ids"]))  # (as the batch's)
+        in_step.update(zip(sources, extra.get("indices") or []))
         return list(extra["prompt_ids"]), list(extra["prompts"]), list(extra["answers"]), sources
 
     def _to_rollout(self, groups, num_dropped, pl_module, timings) -> Rollout:

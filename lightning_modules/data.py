@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import logging
 import typing
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from typing import Any
 
 import lightning as L
@@ -342,18 +342,25 @@ class PromptDataModule(L.LightningDataModule):
         """One loader per ``test_sources`` entry, in order."""
         return self._eval_loaders("test", self.test_names)
 
-    def draw_extra(self, num_prompts: int, seed: int) -> PromptBatch:
+    def draw_extra(self, num_prompts: int, seed: int, exclude: Collection[tuple[str, int]] = ()) -> PromptBatch:
         """Extra training prompts for DAPO dynamic sampling (refilling groups with no signal).
 
         Drawn from a side stream seeded by ``(self.seed, seed)``, so the main stream and its
-        resumable position are untouched and a resumed run draws the same extras. Under DDP every
-        rank draws the same ``world_size * num_prompts`` and keeps its own slice: the ranks refill
-        with different prompts (while the data allows), not W copies of the same ones."""
+        resumable position are untouched and a resumed run draws the same extras. ``exclude``:
+        ``(source, index)`` of the prompts this step already has (its batch, earlier refills), passed
+        over while the data allows, so a prompt is not trained twice in one step. Under DDP every
+        rank shuffles the same way and takes every ``world_size``-th prompt from its rank on: the
+        ranks refill with different prompts (while the data allows), not W copies of the same ones."""
         examples, ids = self._prepared("train", "train")
         rank, world_size = self._rank_world()
-        gen = np.random.default_rng([self.seed, int(seed)])
-        drawn = gen.choice(len(examples), size=min(world_size * num_prompts, len(examples)), replace=False)
-        picks = np.resize(np.roll(drawn, -rank * num_prompts), min(num_prompts, len(examples)))
+        order = np.random.default_rng([self.seed, int(seed)]).permutation(len(examples))
+        excluded = set(exclude)
+        fresh = [int(i) for i in order[rank::world_size] if (examples[i].source, examples[i].index) not in excluded]
+        want = min(num_prompts, len(examples))
+        picks = fresh[:want]
+        if len(picks) < want:  # too few left: the rest of the order (other ranks' or excluded prompts)
+            taken = set(picks)
+            picks += [int(i) for i in np.roll(order, -rank) if int(i) not in taken][:want - len(picks)]
         return collate_examples([examples[i] for i in picks], [ids[i] for i in picks])
 
     # ------------------------------------------------------------------ data position

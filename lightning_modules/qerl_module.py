@@ -46,7 +46,7 @@ from lightning_modules.step_metrics import StepMetricsMixin
 from qerl.model import LoraSettings, base_model_only, load_policy, load_tokenizer
 from qerl.rollout import Rollout
 from qerl.seeding import resolve_seed
-from qerl.settings_checks import require_counts
+from qerl.settings_checks import require_counts, require_full_precision
 
 log = logging.getLogger(__name__)
 
@@ -98,6 +98,7 @@ class QeRLModule(PolicyForwardMixin, ResumeMixin, EvaluationMixin, StepMetricsMi
         self.save_hyperparameters()
         for section in ("lora", "loss", "optimizer", "eval"):  # plain dicts, as the CLI passes them: a checkpoint's
             self.hparams[section] = _plain(self.hparams[section])  # weights_only load refuses the dataclasses
+        self._hparams_initial = copy.deepcopy(self._hparams)  # (what loggers write to hparams.yaml)
         for message in LIGHTNING_ADVICE_THAT_DOES_NOT_APPLY:  # (before fit / validate / test start)
             warnings.filterwarnings("ignore", message=message)
         self.automatic_optimization = False
@@ -133,6 +134,8 @@ class QeRLModule(PolicyForwardMixin, ResumeMixin, EvaluationMixin, StepMetricsMi
     def configure_model(self) -> None:
         if self.model is not None:
             return
+        if self._trainer is not None:  # (a Trainer built in Python; the CLI checks its config earlier)
+            require_full_precision(self.trainer.precision)
         # Lightning may run this hook under a default-device context (the accelerator): load on the
         # CPU explicitly and let load_policy quantize layer by layer on the target device.
         device = self.trainer.strategy.root_device if self._trainer is not None else self.device

@@ -36,3 +36,13 @@ def require_counts(section: str, counts) -> None:
         if isinstance(value, bool) or not isinstance(value, numbers.Integral) or not value >= least:
             either = f" or null ({null})" if null is not None else ""
             raise ValueError(f"{section}.{key} must be >= {least}{either}, an integer; got {value!r}")
+
+
+def require_full_precision(precision) -> None:
+    """``trainer.precision`` must stay 32(-true): model.dtype sets the base's dtype and LoRA trains in
+    fp32 masters; a ``*-true`` precision cast those to 16-bit and rebuilt each batch (the data
+    position riding on it was lost: a resume restarted the prompt stream), ``*-mixed`` autocast the
+    NVFP4 path. None (unset) passes."""
+    if precision is not None and str(precision) not in ("32", "32-true"):
+        raise ValueError(f"trainer.precision {precision}: leave it at 32-true; model.dtype sets the base model's dtype "
+                         "(bf16 | fp16 | fp32) and the LoRA weights train in fp32")

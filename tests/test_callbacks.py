@@ -40,7 +40,7 @@ def _module(tmp=None):
 
 
 def _trainer(callbacks, extra_prompts=None, step=0):
-    dm = SimpleNamespace(draw_extra=lambda n, seed: extra_prompts) if extra_prompts else None
+    dm = SimpleNamespace(draw_extra=lambda n, seed, exclude: extra_prompts) if extra_prompts else None
     return SimpleNamespace(global_step=step, callbacks=callbacks, datamodule=dm, loggers=[], is_global_zero=True,
                            max_steps=10)
 
@@ -123,9 +123,20 @@ def test_refill_rounds_draw_fresh_prompts_per_step_and_round():
     extra = {"prompt_ids": [enc("z")], "prompts": ["z"], "answers": ["-"]}
     for step in (0, 1):
         trainer = _trainer([cb], extra, step=step)
-        trainer.datamodule.draw_extra = lambda n, seed: seeds.append(seed) or extra
+        trainer.datamodule.draw_extra = lambda n, seed, exclude: seeds.append(seed) or extra
         cb.on_train_batch_start(trainer, module, {"prompt_ids": [enc("x")], "prompts": ["x"], "answers": ["-"]}, 0)
     assert len(seeds) == 4 and len(set(seeds)) == 4  # two rounds at each of two steps, each its own draw
+
+
+def test_refills_exclude_the_steps_prompts_and_earlier_refills():
+    module, enc, cb = _scripted_dynamic_sampling({"x": ["b", "b"], "z": ["b", "b"]}, max_refill_rounds=2)
+    excluded = []
+    extra = {"prompt_ids": [enc("z")], "prompts": ["z"], "answers": ["-"], "sources": ["s"], "indices": [7]}
+    trainer = _trainer([cb], extra)
+    trainer.datamodule.draw_extra = lambda n, seed, exclude: excluded.append(set(exclude)) or extra
+    batch = {"prompt_ids": [enc("x")], "prompts": ["x"], "answers": ["-"], "sources": ["s"], "indices": [3]}
+    cb.on_train_batch_start(trainer, module, batch, 0)
+    assert excluded == [{("s", 3)}, {("s", 3), ("s", 7)}]  # the batch's, then also the first refill's
 
 
 def test_dynamic_sampling_counts_a_refills_surplus_as_dropped():

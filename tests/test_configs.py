@@ -128,7 +128,23 @@ def test_a_python_built_modules_hyperparameters_load_weights_only(tmp_path):
 
     from lightning_modules.qerl_module import QeRLModule
 
-    hparams = dict(QeRLModule().hparams)
-    assert all(isinstance(hparams[s], dict) for s in ("lora", "loss", "optimizer", "eval"))
+    module = QeRLModule()
+    hparams = dict(module.hparams)
+    for section in ("lora", "loss", "optimizer", "eval"):  # also what loggers write (hparams.yaml: safe_load)
+        assert isinstance(hparams[section], dict) and isinstance(module.hparams_initial[section], dict), section
     torch.save({"hyper_parameters": hparams}, tmp_path / "h.ckpt")
     assert torch.load(tmp_path / "h.ckpt", weights_only=True)["hyper_parameters"]["eval"]["max_new_tokens"] == 1024
+
+
+
+def test_a_python_built_trainer_with_a_16_bit_precision_is_refused():
+    """The CLI refuses trainer.precision early; a Trainer built in Python reached training (bf16-true
+    cast the LoRA masters and dropped the data position from every batch)."""
+    import lightning as L
+
+    from lightning_modules.qerl_module import QeRLModule
+
+    module = QeRLModule()
+    module.trainer = L.Trainer(precision="bf16-true", logger=False, enable_checkpointing=False, accelerator="cpu")
+    with pytest.raises(ValueError, match="trainer.precision bf16-true: leave it at 32-true"):
+        module.configure_model()

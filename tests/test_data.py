@@ -446,6 +446,20 @@ def test_refill_prompts_are_seeded_and_differ_between_ranks(tokenizer, monkeypat
     assert len(dm.draw_extra(10, seed=101)["prompts"]) == 10
 
 
+def test_refill_prompts_pass_over_the_steps_own(tokenizer):
+    """A refill drew from the whole set, so a prompt of the step's batch (or of an earlier refill)
+    could be trained twice in one step; now those are passed over while the data allows."""
+    dm = make_dm(tokenizer, seed=3)  # 30 prompts
+    batch = take(dm, 1)[0]
+    in_step = set(zip(batch["sources"], batch["indices"]))
+    keys = lambda b: set(zip(b["sources"], b["indices"]))  # noqa: E731
+    for seed in range(20):
+        assert not keys(dm.draw_extra(8, seed=seed, exclude=in_step)) & in_step
+    almost_all = keys(dm.draw_extra(28, seed=0))
+    crowded = dm.draw_extra(4, seed=1, exclude=almost_all)  # 2 fresh prompts left: those, then 2 others
+    assert len(keys(crowded)) == 4 and len(keys(crowded) - almost_all) == 2
+
+
 def test_resume_yields_next_unseen_batch(tokenizer):
     original = take(make_dm(tokenizer, seed=7), 12)
     dm = make_dm(tokenizer, seed=7)
