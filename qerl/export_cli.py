@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import pickle
 import re
 import shutil
@@ -73,6 +74,11 @@ def _check_paths(parser: argparse.ArgumentParser, args: argparse.Namespace) -> N
     model_path = Path(args.model).expanduser() if args.model else None
     if model_path is not None and model_path.exists() and model_path.resolve() in (out, *out.parents):
         parser.error(f"--out {args.out} would overwrite the model being exported ({args.model})")
+    existing = next(p for p in (out, *out.parents) if p.exists())  # (the export is written beside out)
+    if existing != out and not existing.is_dir():
+        parser.error(f"--out {args.out}: {existing} is a file, not a folder")
+    if not os.access(existing if existing != out else out.parent, os.W_OK):
+        parser.error(f"--out {args.out}: {existing if existing != out else out.parent} is not writable")
     if out.is_file():  # (--overwrite replaces an earlier export folder, never a file)
         parser.error(f"--out {args.out} is a file: give a folder (new, empty, or an earlier export with --overwrite)")
     if out.is_dir() and any(out.iterdir()) and not args.overwrite:
@@ -314,6 +320,9 @@ def main(argv: list[str] | None = None) -> Path:
             # trained on, as recorded (an export onto another base or folder does not change that)
             _write_base(tmp / ADAPTER_SUBDIR, recorded or {"model": args.model, "dtype": base_dtype, "seed": seed,
                                                            "quantization": trained_quantization})
-    out = _replace_export(Path(args.out), write)
+    try:
+        out = _replace_export(Path(args.out), write)
+    except OSError as err:  # (a folder the checks cannot see is read-only, /proc; a full disk)
+        parser.error(f"cannot write --out {args.out}: {' '.join(str(err).split())}")
     print(out)
     return out

@@ -496,6 +496,15 @@ def test_cli_refuses_to_clobber(tmp_path, capsys):
     assert "cannot load --model" in err and "usage:" not in err, err  # one line each, no usage block
 
 
+def test_cli_refuses_an_out_under_a_file_before_loading(tmp_path, capsys):
+    """The export is written in a folder beside --out: under a file that failed with a traceback, after
+    the model had loaded."""
+    (tmp_path / "afile").write_text("x")
+    with pytest.raises(SystemExit):
+        main(["--model", "tiny-qwen2", "--out", str(tmp_path / "afile" / "sub")])
+    assert f"{tmp_path / 'afile'} is a file, not a folder" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("argv, message", [
     (["--format", "nvfp4", "--from-nvfp4"], "--from-nvfp4 goes with --format bf16"),
     (["--format", "adapter", "--dtype", "fp16"], "--dtype would do nothing"),
