@@ -124,7 +124,8 @@ class ResumeMixin:
 
     def _resolved_settings(self) -> dict:
         """The LoRA, loss, optimizer and eval settings that run, as dicts (hyper_parameters may hold
-        None for a section: a config saved before the defaults were printed, or a module built in Python): saved as ``qerl_settings`` and compared on resume."""
+        None for a section: a config saved before the defaults were printed, or a module built in
+        Python): saved as ``qerl_settings`` and compared on resume."""
         return {section: _plain(settings) for section, settings in self._settings_sections().items()}
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:

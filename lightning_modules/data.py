@@ -105,8 +105,9 @@ class PromptDataModule(L.LightningDataModule):
         num_workers: DataLoader worker processes (0: load in the main process).
         tokenizer_name_or_path: Tokenizer to load here (HF id or path; ``tiny-qwen2`` /
             ``tiny-llama`` for the built-in tiny one) when the data module is used on its own;
-            refused beside a LightningModule that has a ``tokenizer`` (train.py's model brings its own). None: use the model's
-            tokenizer, given by `set_tokenizer` or found as ``trainer.lightning_module.tokenizer``.
+            refused beside a LightningModule that has a ``tokenizer`` (train.py's model brings its
+            own). None: use the model's tokenizer, given by `set_tokenizer` or found as
+            ``trainer.lightning_module.tokenizer``.
     """
 
     def __init__(
@@ -244,8 +245,9 @@ class PromptDataModule(L.LightningDataModule):
         if self.tokenizer is None and self.trainer is not None:
             module_tokenizer = getattr(self.trainer.lightning_module, "tokenizer", None)
             if module_tokenizer is not None and self.tokenizer_name_or_path:
-                raise ValueError(f"data.tokenizer_name_or_path ({self.tokenizer_name_or_path!r}) is for the data module on its "
-                                 "own; here prompts are tokenized with the model's tokenizer (model.model): remove it")
+                raise ValueError(f"data.tokenizer_name_or_path ({self.tokenizer_name_or_path!r}) is for the data module "
+                                 "on its own; here prompts are tokenized with the model's tokenizer (model.model): "
+                                 "remove it")
             if module_tokenizer is not None:
                 self.set_tokenizer(module_tokenizer)
 

@@ -321,7 +321,8 @@ class EvaluationMixin:
             json.dump({"stage": stage, "global_step": step, "ckpt_path": self.trainer.ckpt_path, "model": self.model_name,
                        "quantization": self.quantization, "use_adapter": s.use_adapter,
                        "max_new_tokens": s.max_new_tokens, "samples": s.samples, "temperature": s.temperature,
-                       "top_p": s.top_p, "seed": s.seed, "pass_k": s.pass_k, "adapter_path": getattr(self, "adapter_path", None), "metrics": results,
+                       "top_p": s.top_p, "seed": s.seed, "pass_k": s.pass_k,
+                       "adapter_path": getattr(self, "adapter_path", None), "metrics": results,
                        "completions": self._eval_records}, f, indent=1)
         lines = results_table(results)
         with open(stem + ".md", "w") as f:

@@ -103,7 +103,8 @@ class QeRLModule(PolicyForwardMixin, ResumeMixin, EvaluationMixin, StepMetricsMi
             warnings.filterwarnings("ignore", message=message)
         self.automatic_optimization = False
         self.strict_loading = False  # checkpoints hold only the trainable params
-        self.model_name, self.quantization, self.dtype_name, self.seed = model, quantization, dtype, resolve_seed(seed, "model.seed")
+        self.model_name, self.quantization, self.dtype_name = model, quantization, dtype
+        self.seed = resolve_seed(seed, "model.seed")
         # own copies: the defaults above are one instance per process (printed by --print_config and
         # saved in config.yaml, where null hid what ran), and a module may change its settings
         self.lora_settings = copy.deepcopy(lora or LoraSettings())

@@ -59,14 +59,15 @@ def _check_paths(parser: argparse.ArgumentParser, args: argparse.Namespace) -> N
     if args.format == "adapter" and not is_ckpt:
         parser.error("--format adapter converts a training checkpoint: pass --adapter PATH.ckpt")
     if args.format == "adapter":  # nothing is loaded or cast: a base flag there did nothing, silently
-        given = [flag for flag, value in (("--model", args.model), ("--dtype", args.dtype), ("--device", args.device),
-                                          ("--seed", args.seed), ("--from-nvfp4", args.from_nvfp4),
-                                          ("--from-trained-base", args.from_trained_base)) if value is not None and value is not False]
+        flags = (("--model", args.model), ("--dtype", args.dtype), ("--device", args.device), ("--seed", args.seed),
+                 ("--from-nvfp4", args.from_nvfp4), ("--from-trained-base", args.from_trained_base))
+        given = [flag for flag, value in flags if value is not None and value is not False]
         if given:
-            parser.error(f"--format adapter copies the checkpoint's adapter as it is: {', '.join(given)} would do nothing")
+            parser.error(f"--format adapter copies the checkpoint's adapter as it is: "
+                         f"{', '.join(given)} would do nothing")
     if args.from_nvfp4 and args.format != "bf16":
         parser.error("--from-nvfp4 goes with --format bf16 (an nvfp4 export writes the NVFP4 codes themselves)")
-    args.dtype, args.device = args.dtype or "bf16", args.device or "cpu"  # (the defaults, once it is known they were not given)
+    args.dtype, args.device = args.dtype or "bf16", args.device or "cpu"  # the defaults, now that they were not given
     if args.format != "adapter" and not args.model:
         parser.error("--model is required (unless --format adapter)")
     if is_ckpt and not Path(args.adapter).is_file():

@@ -171,8 +171,8 @@ def end_of_turn_token(tokenizer) -> int | None:
         return None
     marker = "Qz7 qerl turn end"  # text no template adds to, followed by whatever closes the turn
     try:
-        text = tokenizer.apply_chat_template([{"role": "user", "content": "1 + 1"}, {"role": "assistant", "content": marker}],
-                                             tokenize=False)
+        chat = [{"role": "user", "content": "1 + 1"}, {"role": "assistant", "content": marker}]
+        text = tokenizer.apply_chat_template(chat, tokenize=False)
         if not isinstance(text, str) or marker not in text:
             return None
         ids = tokenizer(text[text.rindex(marker) + len(marker):], add_special_tokens=False)["input_ids"]
