@@ -24,7 +24,7 @@ from lightning.pytorch.loggers import TensorBoardLogger
 from lightning.pytorch.utilities import rank_zero_warn
 
 from qerl.losses import groups_with_signal, overlong_penalty
-from qerl.rewards import MathAccuracy, RewardFunction, extract_answer
+from qerl.rewards import MathAccuracy, RewardFunction, accuracy_reward, extract_answer
 from qerl.rollout import Rollout, RolloutEngine, SamplingSettings, pad_left, pad_right, stop_token_ids
 from qerl.rollout.hf import HFEngine, check_adapter_dtype
 from qerl.rollout.vllm import VLLMSettings  # settings only: vllm itself is imported when the engine starts
@@ -335,7 +335,7 @@ class RolloutCallback(L.Callback):
             return
         cell = lambda s: str(s).replace("|", "\\|").replace("\n", "<br>")[:1000]  # noqa: E731
         # the answer the accuracy reward compared with the gold, where there is one; else a best guess
-        scorer = next((r for r in [self.reward, *getattr(self.reward, "rewards", [])] if isinstance(r, MathAccuracy)), None)
+        scorer = accuracy_reward(self.reward)
         extracted = scorer.scored_answer if scorer is not None else extract_answer
         rows = ["| prompt | completion | extracted | gold | reward |", "|---|---|---|---|---|"]
         for i in range(0, min(len(rollout.completions), self.num_to_log * self.group_size), self.group_size):

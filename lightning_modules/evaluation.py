@@ -24,7 +24,7 @@ from lightning.pytorch.utilities import rank_zero_warn
 
 from qerl.metrics import PassAtK, majority_vote
 from qerl.model import base_model_only
-from qerl.rewards import MathAccuracy
+from qerl.rewards import MathAccuracy, accuracy_reward
 from qerl.rollout import SamplingSettings
 from qerl.rollout.base import MIN_TEMPERATURE, derive_seed
 from qerl.seeding import check_seed
@@ -167,17 +167,6 @@ def results_table(results: dict[str, dict[str, float]]) -> list[str]:
     for name, values in results.items():
         lines.append(f"| {name} | {values['problems']} | " + " | ".join(f"{100 * values[k]:.1f}%" for k in keys) + " |")
     return lines
-
-
-def accuracy_reward(reward) -> MathAccuracy | None:
-    """The ``MathAccuracy`` in a training reward: the reward itself or, depth first, a member of a
-    ``WeightedSum`` (``rewards``); None without one."""
-    if isinstance(reward, MathAccuracy):
-        return reward
-    for member in getattr(reward, "rewards", None) or ():
-        if (found := accuracy_reward(member)) is not None:
-            return found
-    return None
 
 
 class EvaluationMixin:

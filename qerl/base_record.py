@@ -22,11 +22,16 @@ DEQUANTIZED_BASE_FILE = "qerl_dequantized_base.json"
 BASE_KEYS = ("model", "dtype", "seed", "quantization")
 
 
+def _record_text(base: dict) -> str:
+    """A base record as its JSON file holds it (the :data:`BASE_KEYS`, in order)."""
+    return json.dumps({k: base.get(k) for k in BASE_KEYS}, indent=1) + "\n"
+
+
 def _write_base(out: Path, base: dict | None) -> None:
     """``qerl_base.json`` beside an adapter, or none (an earlier run's file removed)."""
     (out / BASE_FILE).unlink(missing_ok=True)
     if base:
-        (out / BASE_FILE).write_text(json.dumps({k: base.get(k) for k in BASE_KEYS}, indent=1) + "\n")
+        (out / BASE_FILE).write_text(_record_text(base))
 
 
 def read_base(adapter_dir: str | Path) -> dict | None:
@@ -44,7 +49,7 @@ def read_base(adapter_dir: str | Path) -> dict | None:
 
 def write_dequantized_base(model_dir: Path, base: dict) -> None:
     """Mark ``model_dir`` (a dense export) as the dequantized ``base`` (:data:`DEQUANTIZED_BASE_FILE`)."""
-    (model_dir / DEQUANTIZED_BASE_FILE).write_text(json.dumps({k: base.get(k) for k in BASE_KEYS}, indent=1) + "\n")
+    (model_dir / DEQUANTIZED_BASE_FILE).write_text(_record_text(base))
 
 
 def read_dequantized_base(model: str) -> dict | None:

@@ -75,11 +75,12 @@ def _check_paths(parser: argparse.ArgumentParser, args: argparse.Namespace) -> N
     model_path = Path(args.model).expanduser() if args.model else None
     if model_path is not None and model_path.exists() and model_path.resolve() in (out, *out.parents):
         parser.error(f"--out {args.out} would overwrite the model being exported ({args.model})")
-    existing = next(p for p in (out, *out.parents) if p.exists())  # (the export is written beside out)
+    existing = next(p for p in (out, *out.parents) if p.exists())
     if existing != out and not existing.is_dir():
         parser.error(f"--out {args.out}: {existing} is a file, not a folder")
-    if not os.access(existing if existing != out else out.parent, os.W_OK):
-        parser.error(f"--out {args.out}: {existing if existing != out else out.parent} is not writable")
+    writes_in = out.parent if existing == out else existing  # (the export is written beside out, then moved)
+    if not os.access(writes_in, os.W_OK):
+        parser.error(f"--out {args.out}: {writes_in} is not writable")
     if out.is_file():  # (--overwrite replaces an earlier export folder, never a file)
         parser.error(f"--out {args.out} is a file: give a folder (new, empty, or an earlier export with --overwrite)")
     if out.is_dir() and any(out.iterdir()) and not args.overwrite:

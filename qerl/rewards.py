@@ -235,6 +235,17 @@ class MathAccuracy(RewardFunction):
         return [self.score_one(c, a) for c, a in zip(completions, answers)]
 
 
+def accuracy_reward(reward) -> MathAccuracy | None:
+    """The ``MathAccuracy`` in a training reward: the reward itself or, depth first, a member of a
+    ``WeightedSum`` (``rewards``); None without one."""
+    if isinstance(reward, MathAccuracy):
+        return reward
+    for member in getattr(reward, "rewards", None) or ():
+        if (found := accuracy_reward(member)) is not None:
+            return found
+    return None
+
+
 class FormatReward(RewardFunction):
     """1.0 if the completion contains exactly one closed, non-empty ``\\boxed{}``/``\\fbox{}``.
 
