@@ -136,14 +136,20 @@ def overlong_penalty(
 # Per-token terms
 
 
+K3_KL_CAP = 10.0  # per-token cap of the k3 estimate (and of |ref - lp| inside it)
+
+
 def k3_kl(logprobs: Tensor, ref_logprobs: Tensor) -> Tensor:
     """Per-token k3 estimator of KL(pi || pi_ref): exp(ref - lp) - (ref - lp) - 1.   (N, T)
 
     Unbiased for samples from pi, and >= 0 everywhere (e^x >= 1 + x), unlike the plain log-ratio.
     Gradients flow through `logprobs` only; `ref_logprobs` should come from a no-grad forward.
+    Each token's value is capped at `K3_KL_CAP` (verl's low_var_kl does the same): exp(ref - lp)
+    overflows fp32 beyond ~88 nats, and one such token would make the loss inf and skip the whole
+    update; a capped token contributes no gradient, the others train as usual.
     """
-    log_ratio = ref_logprobs - logprobs  # (N, T)
-    return torch.exp(log_ratio) - log_ratio - 1.0
+    log_ratio = (ref_logprobs - logprobs).clamp(-K3_KL_CAP, K3_KL_CAP)  # (N, T); exp stays finite
+    return (torch.exp(log_ratio) - log_ratio - 1.0).clamp(max=K3_KL_CAP)
 
 
 def truncated_is_weights(

@@ -12,6 +12,7 @@ from qerl.losses import (
     aggregate_loss,
     group_advantages,
     groups_with_signal,
+    K3_KL_CAP,
     k3_kl,
     masked_mean,
     overlong_penalty,
@@ -117,6 +118,17 @@ def test_k3_matches_formula_and_is_nonnegative():
     g = torch.Generator().manual_seed(0)
     a, b = torch.randn(64, 32, generator=g), torch.randn(64, 32, generator=g)
     assert (k3_kl(a, b) >= 0).all()
+
+
+def test_k3_is_capped_so_one_far_token_does_not_make_the_loss_inf():
+    # ref - lp = 93 nats: exp overflows fp32 (inf) without the cap; the capped token has no gradient,
+    # the ordinary one keeps its own: d k3 / d lp = 1 - exp(ref - lp) = 1 - e^-0.5 = 0.39346934
+    lp = t([[-95.0, -1.0]]).requires_grad_()
+    ref = t([[-2.0, -1.5]])
+    kl = k3_kl(lp, ref)
+    assert_close(kl, t([[K3_KL_CAP, 0.10653066]]))
+    kl.sum().backward()
+    assert_close(lp.grad, t([[0.0, 0.39346934]]))
 
 
 # ------------------------------------------------------------------------------------------------
