@@ -23,6 +23,9 @@ class LossSettings:
             (sum / (N * max_new_tokens)).
         clip_low: ratio lower clip epsilon (1 - clip_low).
         clip_high: ratio upper clip epsilon (1 + clip_high); 0.28 is DAPO's clip-higher.
+        dual_clip: dual-clip PPO's c (> 1; verl's clip_ratio_c, 3.0 there): for negative advantages
+            the surrogate is capped at c x |A|, so tokens whose ratio ran far above 1 add no gradient;
+            null (default, as TRL and the QeRL code) leaves the plain clipped surrogate.
         ratio_level: token (PPO/GRPO) or sequence (GSPO: one length-normalised ratio per completion,
             clipped as a whole; use GSPO's tight clips, e.g. clip_low 3e-4 and clip_high 4e-4).
         kl_coef: weight of the k3 KL to the reference (adapter disabled, no noise); 0 skips that pass.
@@ -55,6 +58,7 @@ class LossSettings:
     aggregation: Literal["grpo", "bnpo", "dapo", "dr_grpo"] = "grpo"
     clip_low: float = 0.2
     clip_high: float = 0.2
+    dual_clip: float | None = None
     ratio_level: Literal["token", "sequence"] = "token"
     kl_coef: float = 0.0
     entropy_coef: float = 0.0
@@ -86,6 +90,8 @@ class LossSettings:
         for key in ("clip_low", "clip_high"):  # (.inf: that side unclipped)
             if not getattr(self, key) >= 0:
                 raise ValueError(f"model.loss.{key} must be >= 0, got {getattr(self, key)}")
+        if self.dual_clip is not None and not (self.dual_clip > 1 and math.isfinite(self.dual_clip)):
+            raise ValueError(f"model.loss.dual_clip must be > 1 and finite (or null: off), got {self.dual_clip}")
         for key in ("kl_coef", "entropy_coef"):
             value = getattr(self, key)
             if not (value >= 0 and math.isfinite(value)):

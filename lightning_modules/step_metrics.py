@@ -44,6 +44,7 @@ class StepMetricsMixin:
             "train/clip_ratio/low": update_mean("clip_ratio/low"),
             "train/clip_ratio/high": update_mean("clip_ratio/high"),
             "train/clip_ratio/region": update_mean("clip_ratio/region"),
+            "train/clip_ratio/dual": update_mean("clip_ratio/dual"),
             "train/is_ratio/mean": pre_mean("is_ratio", "is_weight"),  # over finite sampler log-probs
             "train/completion_length/mean": lengths.mean(),
             "train/completion_length/max": lengths.max(),

@@ -276,6 +276,7 @@ def policy_loss(
     *,
     clip_low: float = 0.2,
     clip_high: float = 0.2,
+    dual_clip: float | None = None,
     aggregation: Aggregation = "grpo",
     ratio_level: Literal["token", "sequence"] = "token",
     is_weights: Tensor | None = None,
@@ -297,6 +298,10 @@ def policy_loss(
         completion, s = exp(mean_t log r_t) over its valid tokens, shared by all its tokens and
         clipped as a whole; its gradient is s * mean_t grad log pi(y_t). GSPO clips tightly,
         e.g. clip_low 3e-4, clip_high 4e-4).
+    dual_clip: optional c > 1 (dual-clip PPO, verl's clip_ratio_c, 3.0 there): for A < 0 the
+        surrogate is also capped at -c * A, so a token whose ratio ran far above 1 (stale after K
+        updates, or from a mismatched sampler) cannot make the loss -- and its gradient -- grow
+        without bound; such a token gets no gradient. None: the plain clipped surrogate.
     is_weights: optional (N, T) detached per-token weights multiplied into the surrogate (not into
         the KL term, nor the normalizers), as TRL does: TIS/MIS weights (`truncated_is_weights`),
         times the 0/1 selection of `high_entropy_mask` when training on high-entropy tokens only.
@@ -314,6 +319,7 @@ def policy_loss(
     Metrics (detached float32 scalars over valid tokens of this micro-batch):
       clip_ratio/low  fraction with r < 1 - clip_low and A < 0 (the lower clip is active),
       clip_ratio/high fraction with r > 1 + clip_high and A > 0, clip_ratio/region either,
+      clip_ratio/dual fraction with A < 0 held at -c * A by the dual clip (0 without it),
       kl              mean k3 (logged whenever ref_logprobs is given, even at kl_coef 0; else 0),
       ratio/mean      mean r.
     """
@@ -338,6 +344,11 @@ def policy_loss(
     ratio = torch.exp(log_ratio)  # (N, T)
     clipped_ratio = ratio.clamp(1.0 - clip_low, 1.0 + clip_high)  # (N, T)
     per_token = -torch.min(ratio * advantages, clipped_ratio * advantages)  # (N, T)
+    dual = None
+    if dual_clip is not None:
+        # negative advantages only: the surrogate above grows like r * |A| there, the dual clip stops it at c * |A|
+        dual = (advantages < 0) & (per_token > -dual_clip * advantages)  # (N, T)
+        per_token = torch.where(dual, -dual_clip * advantages, per_token)
     if is_weights is not None:
         per_token = per_token * is_weights.detach().to(per_token.dtype)
 
@@ -368,6 +379,7 @@ def policy_loss(
             "clip_ratio/low": masked_mean(low.float(), mask),
             "clip_ratio/high": masked_mean(high.float(), mask),
             "clip_ratio/region": masked_mean((low | high).float(), mask),
+            "clip_ratio/dual": masked_mean(dual.float(), mask) if dual is not None else ratio_d.new_zeros(()),
             "kl": masked_mean(kl.detach().float(), mask) if kl is not None else ratio_d.new_zeros(()),
             "ratio/mean": masked_mean(ratio_d, mask),
         }

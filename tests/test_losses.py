@@ -289,6 +289,23 @@ def test_policy_loss_clipped_tokens_have_zero_gradient():
     assert_close(logprobs.grad, t([[0.0, -0.25, 0.0], [0.0, 0.375, 0.0]]))
 
 
+def test_policy_loss_dual_clip_caps_negative_advantages_only():
+    logprobs, old = clipped_case()
+    # c = 1.4: the r=1.5, A=-1 token's 1.5 becomes 1.4 (and loses its gradient); the A > 0 tokens and
+    # the low-clipped r=0.5 token (0.8 < 1.4) are as without the dual clip
+    loss, m = policy_loss(logprobs, old, ADV, PL_MASK, clip_low=0.2, clip_high=0.28, dual_clip=1.4,
+                          aggregation="bnpo")
+    assert_close(loss, t((-1.28 - 1.0 + 0.8 + 1.4) / 4))
+    assert_close(m["clip_ratio/dual"], t(0.25, torch.float32))
+    loss.backward()
+    assert_close(logprobs.grad, t([[0.0, -0.25, 0.0], [0.0, 0.0, 0.0]]))
+    # c above every ratio: the plain surrogate, nothing counted
+    loss, m = policy_loss(logprobs, old, ADV, PL_MASK, clip_low=0.2, clip_high=0.28, dual_clip=3.0,
+                          aggregation="bnpo")
+    assert_close(loss, t(0.005))
+    assert_close(m["clip_ratio/dual"], t(0.0, torch.float32))
+
+
 def test_policy_loss_is_weights_and_kl():
     logprobs, old = clipped_case()
     w = t([[2.0, 0.5, 7.0], [1.0, 0.0, 7.0]])

@@ -561,7 +561,8 @@ def test_non_finite_optimizer_settings_fail_at_construction(bad):
         OptimizerSettings(**bad)
 
 
-@pytest.mark.parametrize("key", ["clip_low", "clip_high", "kl_coef", "entropy_coef", "tis_cap", "top_entropy_quantile"])
+@pytest.mark.parametrize("key", ["clip_low", "clip_high", "kl_coef", "entropy_coef", "tis_cap", "top_entropy_quantile",
+                                 "dual_clip"])
 @pytest.mark.parametrize("value", [_NAN, _INF])
 def test_non_finite_loss_settings_fail_at_construction(key, value):
     """A NaN kl_coef passed `kl_coef < 0` and dropped the KL term silently. An infinite clip or IS cap
@@ -571,6 +572,12 @@ def test_non_finite_loss_settings_fail_at_construction(key, value):
         return
     with pytest.raises(ValueError, match=f"model.loss.{key} must be"):
         LossSettings(**{key: value})
+
+
+def test_dual_clip_must_exceed_one():
+    with pytest.raises(ValueError, match="model.loss.dual_clip must be > 1"):
+        LossSettings(dual_clip=1.0)
+    assert LossSettings(dual_clip=3.0).dual_clip == 3.0
 
 
 @pytest.mark.parametrize("bad", [dict(temperature=_NAN), dict(temperature=_INF), dict(top_p=_NAN), dict(top_k=-1),
