@@ -70,10 +70,16 @@ def global_scale_for(*weights: torch.Tensor, names: Sequence[str] = ()) -> torch
         for w, name in zip(weights, names or [""] * len(weights)):
             check_finite(w, name)
     amax = amaxes.amax()
-    # An all-zero group would give scale 0 (NaN codes), and clamping amax to float tiny a denormal
-    # scale whose reciprocal, the exported weight_global_scale, is inf: any positive amax decodes
-    # zeros exactly, so use 1.
-    return per_tensor_amax_to_scale(torch.where(amax > 0, amax, torch.ones_like(amax)))
+    # An all-zero group would give scale 0 (NaN codes): any positive amax decodes zeros exactly, so
+    # use 1. A positive amax below ~8e-36 gives a scale whose reciprocal, the exported
+    # weight_global_scale, overflows to inf: such a group is raised to `_SMALLEST_AMAX` (its largest
+    # block scale then sits below e4m3's maximum instead of at it; values that small are zeros anyway).
+    amax = torch.where(amax > 0, amax.clamp(min=_SMALLEST_AMAX), torch.ones_like(amax))
+    return per_tensor_amax_to_scale(amax)
+
+
+# ~3.2e-35: per_tensor_amax_to_scale divides by 448 * 6; 4x above the amax whose 1 / scale overflows
+_SMALLEST_AMAX = 4 * 448.0 * 6.0 / torch.finfo(torch.float32).max
 
 
 def dequantize_nvfp4(

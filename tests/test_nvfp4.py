@@ -81,6 +81,18 @@ def test_shared_per_tensor_scale():
     assert ((qq.dequantize(torch.float32) - q).norm() / q.norm()) < 0.11
 
 
+def test_a_tiny_weight_keeps_a_finite_exported_global_scale():
+    """amax 1e-37: amax / 2688 is a denormal whose reciprocal (compressed-tensors' weight_global_scale)
+    was inf. The amax is raised to ~3e-35, so 1 / scale stays finite and the values still decode."""
+    w = torch.randn(64, 32, generator=torch.Generator().manual_seed(0)) * 1e-37
+    t = NVFP4WeightTensor.from_float(w)
+    assert torch.isfinite(torch.reciprocal(t.per_tensor_scale)).all()
+    deq, w = t.dequantize(torch.float32).double(), w.double()  # (fp32 squares of 1e-37 underflow)
+    assert ((deq - w).norm() / w.norm()) < 0.11  # the largest block scale ~13 instead of 448: still e4m3-exact
+    ordinary = torch.randn(64, 32)  # untouched above the floor
+    assert torch.equal(global_scale_for(ordinary), per_tensor_amax_to_scale(ordinary.abs().amax()))
+
+
 def test_non_finite_weights_are_refused_by_name():
     """One inf or NaN would be the amax of the shared per-tensor scale: the whole tensor, and every
     tensor of its fused group, would decode to NaN. It is a ValueError naming the weight instead."""
