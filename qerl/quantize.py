@@ -20,7 +20,7 @@ import math
 import torch
 import torch.nn as nn
 
-from qerl.nvfp4 import NVFP4WeightTensor, global_scale_for
+from qerl.nvfp4 import NVFP4WeightTensor, check_finite, global_scale_for
 
 # Where each decoder linear sits in a layer (Qwen2/Qwen3/Llama-style): exactly these are quantized and
 # adapted, and check_decoder_linears refuses a layer with any other weight matrix.
@@ -111,8 +111,13 @@ def quantize_decoder_linears_nf4(model: nn.Module, device: str | torch.device = 
     except ImportError as err:
         raise ModuleNotFoundError("quantization: nf4 needs bitsandbytes (pip install 'qerl[qlora]')") from err
     count = 0
-    for layer in decoder_layers(model):
+    layers = decoder_layers(model)
+    prefix = _module_name(model, layers)
+    for i, layer in enumerate(layers):
         for short, mod in _layer_linears(layer).items():
+            # a NaN / inf would become its block's absmax, and with double quantization the offset of
+            # every block: the whole linear decodes to NaN (refused, as the nvfp4 arm refuses it)
+            check_finite(mod.weight.data, f"{prefix}.{i}.{DECODER_LINEAR_PATHS[short]}".lstrip("."))
             q = bnb.nn.Linear4bit(mod.in_features, mod.out_features, bias=mod.bias is not None,
                                   compute_dtype=mod.weight.dtype, quant_type="nf4", compress_statistics=True,
                                   device="meta")

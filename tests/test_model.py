@@ -298,15 +298,21 @@ def test_mixture_of_experts_is_refused_and_only_the_decoder_linears_are_quantize
             assert isinstance(quantized.weight, kind) if kind else type(quantized).__name__ == "Linear4bit", name
 
 
-def test_non_finite_weight_is_an_error_naming_the_linear():
-    """One inf would be the per-tensor scale of all of q/k/v: every logit NaN, without a word."""
+@pytest.mark.parametrize("arm", ["nvfp4", "nf4"])
+def test_non_finite_weight_is_an_error_naming_the_linear(arm):
+    """One inf would be the per-tensor scale of all of q/k/v: every logit NaN, without a word. In nf4
+    it is its block's absmax and, double-quantized, the offset of every block: the linear all NaN
+    (while the logits of the tiny model still came out finite)."""
+    from qerl.quantize import quantize_decoder_linears_nf4
+
+    quantize = quantize_decoder_linears if arm == "nvfp4" else quantize_decoder_linears_nf4
     for where, value, counts in [("0.self_attn.q_proj", "inf", "1 inf, 0 nan"), ("1.mlp.up_proj", "nan", "0 inf, 1 nan")]:
         model, _ = load_base_model("tiny-qwen2", dtype="bf16")
         with torch.no_grad():
             model.get_submodule(f"model.layers.{where}").weight[2, 3] = float(value)
         message = rf"^model\.layers\.{where}: weight has non-finite values \({counts}\): cannot quantize$"
         with pytest.raises(ValueError, match=message):
-            quantize_decoder_linears(model)
+            quantize(model)
 
 
 def test_nf4_without_bitsandbytes_is_a_module_not_found_error(monkeypatch):
