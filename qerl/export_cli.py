@@ -85,7 +85,7 @@ def _check_paths(parser: argparse.ArgumentParser, args: argparse.Namespace) -> N
         parser.error(f"--out {args.out} is a file: give a folder (new, empty, or an earlier export with --overwrite)")
     if out.is_dir() and any(out.iterdir()) and not args.overwrite:
         parser.error(f"--out {args.out} exists and is not empty (pass --overwrite to replace an earlier export)")
-    foreign = sorted(p.name for p in out.iterdir() if not _written_by_export(p)) if out.is_dir() else []
+    foreign = _foreign_entries(out) if out.is_dir() else []
     if foreign:  # (a run's log folder, say: its adapter/ would go with the export's)
         parser.error(f"--out {args.out} holds files no export writes ({', '.join(foreign[:3])}"
                      f"{', ...' if len(foreign) > 3 else ''}): --overwrite replaces only an earlier export")
@@ -122,13 +122,34 @@ _EXPORT_FILE = re.compile(
     r"model(-\d+-of-\d+)?\.safetensors|model\.safetensors\.index\.json|(generation_)?config\.json"
     r"|tokenizer(_config)?\.json|tokenizer\.model|special_tokens_map\.json|vocab\.json|merges\.txt"
     r"|added_tokens\.json|chat_template\.jinja|adapter_config\.json|adapter_model\.safetensors"
-    rf"|{re.escape(TRAINABLE_NORMS_FILE)}|{re.escape(BASE_FILE)}|{re.escape(DEQUANTIZED_BASE_FILE)}|README\.md")
-# ... and its folders: the adapter, and the named chat templates transformers 5 writes beside a
-# tokenizer that has several (``additional_chat_templates/<name>.jinja``)
-_EXPORT_DIRS = (ADAPTER_SUBDIR, "additional_chat_templates")
+    rf"|{re.escape(TRAINABLE_NORMS_FILE)}|{re.escape(BASE_FILE)}|{re.escape(DEQUANTIZED_BASE_FILE)}")
+# ... and its folders with what they hold: the adapter (peft adds a README.md there), and the named
+# chat templates transformers 5 writes beside a tokenizer that has several
+_EXPORT_DIRS = {
+    ADAPTER_SUBDIR: re.compile(rf"adapter_config\.json|adapter_model\.safetensors|README\.md"
+                               rf"|{re.escape(TRAINABLE_NORMS_FILE)}|{re.escape(BASE_FILE)}"),
+    "additional_chat_templates": re.compile(r".+\.jinja"),
+}
+
+
+def _foreign_entries(out: Path) -> list[str]:
+    """What in ``out`` no export writes, as paths relative to it: anything outside the patterns above,
+    inside the export's folders too (a run's checkpoints or notes under ``adapter/`` would go with
+    it), and every symbolic link (clearing would fail on it half-way, or delete what it points to)."""
+    foreign = []
+    for path in sorted(out.iterdir()):
+        if not path.is_symlink() and path.is_dir() and path.name in _EXPORT_DIRS:
+            foreign += [f"{path.name}/{p.name}" for p in sorted(path.iterdir())
+                        if p.is_symlink() or not p.is_file() or not _EXPORT_DIRS[path.name].fullmatch(p.name)]
+        elif path.is_symlink() or not path.is_file() or not _EXPORT_FILE.fullmatch(path.name):
+            foreign.append(path.name)
+    return foreign
 
 
 def _written_by_export(path: Path) -> bool:
+    """A top-level entry of an earlier export (``_foreign_entries`` found nothing else, inside its folders either)."""
+    if path.is_symlink():
+        return False
     return (path.is_dir() and path.name in _EXPORT_DIRS) or (path.is_file() and bool(_EXPORT_FILE.fullmatch(path.name)))
 
 

@@ -2,6 +2,7 @@
 16-bit base, unreadable adapters and odd --out paths are one-line errors, and a tokenizer's extra
 files do not block the next --overwrite. (The formats themselves: test_export.py.)"""
 
+import shutil
 from pathlib import Path
 
 import pytest
@@ -73,6 +74,36 @@ def test_overwrite_replaces_the_named_chat_templates_an_export_wrote(tmp_path):
     assert (tmp_path / "out" / "additional_chat_templates" / "tool_use.jinja").is_file()
     main(argv)  # (refused before as "files no export writes (additional_chat_templates)")
     assert (tmp_path / "out" / "additional_chat_templates" / "tool_use.jinja").is_file()
+
+
+def test_overwrite_refuses_what_no_export_wrote_inside_its_folders_and_links(tmp_path, capsys):
+    """--overwrite removed a whole adapter/ folder, a run's notes and checkpoints in it included, and a
+    top-level README.md (no export writes one); a symbolic link named adapter failed in rmtree after the
+    earlier export's files were gone. Each is refused before anything is touched, naming the entry."""
+    out = tmp_path / "out"
+    argv = ["--model", "tiny-qwen2", "--format", "bf16", "--out", str(out), "--overwrite"]
+    main(argv)
+    (out / "adapter").mkdir()
+    (out / "adapter" / "README.md").write_text("peft's model card")  # what peft writes there: replaced
+    main(argv)
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (elsewhere / "keep.txt").write_text("precious")
+    cases = [("adapter/notes.txt", lambda: (out / "adapter").mkdir() or (out / "adapter" / "notes.txt").write_text("x")),
+             ("adapter/runs", lambda: (out / "adapter" / "runs").mkdir(parents=True)),
+             ("README.md", lambda: (out / "README.md").write_text("# my card")),
+             ("adapter", lambda: (out / "adapter").symlink_to(elsewhere, target_is_directory=True))]
+    for entry, make in cases:
+        make()
+        before = sorted(p.relative_to(out) for p in out.rglob("*"))
+        with pytest.raises(SystemExit):
+            main(argv)
+        assert f"holds files no export writes ({entry})" in capsys.readouterr().err
+        assert sorted(p.relative_to(out) for p in out.rglob("*")) == before  # nothing removed
+        target = out / entry.split("/")[0]
+        target.unlink() if target.is_symlink() or target.is_file() else shutil.rmtree(target)
+    assert (elsewhere / "keep.txt").read_text() == "precious"
+    main(argv)  # the clean export again
 
 
 @pytest.mark.parametrize("overwrite", [False, True])
