@@ -14,7 +14,8 @@ linear ``<m>`` with weight ``[N, K]``:
 Everything else (embeddings, norms, lm_head, biases) stays under its HF name in 16 bits. A peft
 model exports its base (``base_layer`` weights, prefixes stripped, no ``lora_`` tensors) plus the
 adapter in ``<out>/adapter``. Norms are written as they currently are in the model (trained, when
-``trainable_norms`` is on; AQN noise lives outside the weights and is never exported).
+``trainable_norms`` is on, the untrained ones then beside them in ``qerl_base_norms/`` from the CLI;
+AQN noise lives outside the weights and is never exported).
 
 CLI: ``python -m qerl.export --model tiny-qwen2 --format nvfp4 --out DIR [--adapter PATH]``
 (``qerl.export_cli``: its arguments, checks and the base an adapter trained on).

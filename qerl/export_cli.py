@@ -23,6 +23,7 @@ from pathlib import Path
 
 import torch
 from safetensors import SafetensorError
+from safetensors.torch import save_file
 
 import qerl.export
 from qerl.adapter import (
@@ -31,7 +32,7 @@ from qerl.adapter import (
     write_dequantized_base,
 )
 from qerl.export import ADAPTER_SUBDIR, export_bf16, export_nvfp4
-from qerl.model import load_policy
+from qerl.model import BASE_NORMS_DIR, BASE_NORMS_FILE, base_norm_scales, load_policy
 from qerl.tiny import TINY_MODEL_NAMES
 
 log = logging.getLogger(__name__)
@@ -129,6 +130,7 @@ _EXPORT_DIRS = {
     ADAPTER_SUBDIR: re.compile(rf"adapter_config\.json|adapter_model\.safetensors|README\.md"
                                rf"|{re.escape(TRAINABLE_NORMS_FILE)}|{re.escape(BASE_FILE)}"),
     "additional_chat_templates": re.compile(r".+\.jinja"),
+    BASE_NORMS_DIR: re.compile(re.escape(Path(BASE_NORMS_FILE).name)),  # a run's untrained norm scales
 }
 
 
@@ -323,10 +325,13 @@ def main(argv: list[str] | None = None) -> Path:
         model, tokenizer = load_policy(args.model, quantization, None, dtype=base_dtype, device=args.device, seed=seed)
     except (OSError, ValueError, ImportError) as err:  # unknown model path / id, unreadable GGUF, nf4 without its library
         parser.error(f"cannot load --model {args.model} as {quantization}: {err}")
+    base_norms = {}
     if args.adapter:
         with tempfile.TemporaryDirectory() as tmp:
             try:  # an adapter that does not fit --model (trained on another base): one line
                 adapter = args.adapter if ckpt is None else _checkpoint_adapter(parser, args.adapter, tmp, ckpt)
+                if (Path(adapter) / TRAINABLE_NORMS_FILE).is_file():  # (before the adapter's replace them)
+                    base_norms = base_norm_scales(model, args.model)
                 model = load_adapter(model, adapter)
             except (ValueError, OSError, SafetensorError) as err:  # (a file that cannot be read: named by err)
                 parser.error(f"cannot load --adapter {args.adapter} onto --model {args.model}: "
@@ -339,6 +344,9 @@ def main(argv: list[str] | None = None) -> Path:
             # an adapter trained on it is at home here
             write_dequantized_base(tmp, dequantized_from or {"model": args.model, "dtype": base_dtype, "seed": seed,
                                                              "quantization": quantization})
+        if base_norms and args.format == "bf16":  # the adapter's trained norms are in the weights: the base's beside
+            (tmp / BASE_NORMS_DIR).mkdir()
+            save_file({k: v.cpu().contiguous() for k, v in base_norms.items()}, str(tmp / BASE_NORMS_FILE))
         if args.adapter and (tmp / ADAPTER_SUBDIR).is_dir():  # for a later export: the base the adapter
             # trained on, as recorded (an export onto another base or folder does not change that)
             _write_base(tmp / ADAPTER_SUBDIR, recorded or {"model": args.model, "dtype": base_dtype, "seed": seed,

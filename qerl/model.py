@@ -272,7 +272,7 @@ def add_lora(model: PreTrainedModel, settings: LoraSettings) -> nn.Module:
     if settings.trainable_norms:
         base = {}
         for name, p in list(peft_model.named_parameters()):
-            if name.rsplit(".", 2)[-2] in NOISY_NORM_NAMES:
+            if is_norm_scale(name):
                 base[name] = p.detach().clone()  # for the base-model passes (see base_model_only)
                 hold_norm_in_fp32(peft_model, name)
         peft_model.qerl_base_norms = base  # a plain attribute: never in a state_dict or checkpoint
@@ -296,6 +296,49 @@ def hold_norm_in_fp32(model: nn.Module, name: str, value: torch.Tensor | None = 
     if _output_in_input_dtype not in module._forward_hooks.values():  # (once, also when loaded twice)
         module.register_forward_hook(_output_in_input_dtype)
     return p
+
+
+# In a dense export of a run with ``trainable_norms``: the norm scales the run started from, under the
+# base model's names. Its model.safetensors holds the trained ones (so that ``vllm serve`` with the
+# adapter, which cannot carry norms, gives the trained model), and the base-model passes (KL reference,
+# adapter-off evaluation) of a policy loaded there must see these instead. In a subfolder: vLLM loads
+# every top-level *.safetensors of a model folder without an index as the model's weights.
+BASE_NORMS_DIR = "qerl_base_norms"
+BASE_NORMS_FILE = f"{BASE_NORMS_DIR}/norms.safetensors"
+_PEFT_PREFIX = "base_model.model."
+
+
+def is_norm_scale(name: str) -> bool:
+    """Whether a parameter name is a norm scale ``trainable_norms`` trains (and AQN noises by default)."""
+    parts = name.rsplit(".", 2)
+    return len(parts) == 3 and parts[1] in NOISY_NORM_NAMES
+
+
+def base_norm_scales(model: nn.Module, name_or_path: str) -> dict[str, torch.Tensor]:
+    """The norm scales ``trainable_norms`` trains, as the base loaded from ``name_or_path`` had them before
+    any training (a copy, under the base model's names): its folder's :data:`BASE_NORMS_FILE` when it
+    has one, else ``model``'s own (peft-free) values. A file that does not fit is a ValueError."""
+    own = {name: p.detach().clone() for name, p in model.named_parameters() if is_norm_scale(name)}
+    path = os.path.join(os.path.expanduser(str(name_or_path)), BASE_NORMS_FILE)
+    if not os.path.isfile(path):
+        return own
+    from safetensors.torch import load_file
+
+    recorded = load_file(path)
+    if sorted(recorded) != sorted(own) or any(recorded[k].shape != own[k].shape for k in own):
+        raise ValueError(f"{path} does not hold this model's norm scales (written for another model?)")
+    return {name: value.to(own[name].device, own[name].dtype) for name, value in recorded.items()}
+
+
+def restore_base_norms(peft_model: nn.Module, name_or_path: str) -> None:
+    """A policy with trainable norms loaded from a folder with a :data:`BASE_NORMS_FILE`: its base-model
+    passes use those scales (``qerl_base_norms``), not the trained ones its weights hold."""
+    base = getattr(peft_model, "qerl_base_norms", None)
+    if not base or not os.path.isfile(os.path.join(os.path.expanduser(str(name_or_path)), BASE_NORMS_FILE)):
+        return
+    recorded = base_norm_scales(peft_model.get_base_model(), name_or_path)
+    for name in base:
+        base[name] = recorded[name.removeprefix(_PEFT_PREFIX)].to(base[name].dtype)
 
 
 def _output_in_input_dtype(module: nn.Module, args: tuple, output):
@@ -359,6 +402,7 @@ def load_policy(
     refuse_non_finite_base(model, name_or_path)
     if lora is not None:
         model = add_lora(model, lora)
+        restore_base_norms(model, name_or_path)
     sizes, counts = base_weight_bytes(model), count_parameters(model)
     trainable = (f"trainable params {counts['trainable']} of {counts['total']} "
                  f"({100 * counts['trainable'] / max(counts['total'], 1):.2f}%)" if lora is not None

@@ -58,6 +58,38 @@ def test_trained_fp32_norms_survive_a_bf16_base(tmp_path):
         assert logits.dtype == torch.bfloat16 and torch.equal(logits, policy(_ids()).logits)
 
 
+def test_a_trained_base_export_keeps_the_runs_base_norms_for_the_base_passes(tmp_path):
+    """A --from-trained-base export of a run with trainable norms holds the trained norms in its weights
+    (`vllm serve` with the adapter, which cannot carry norms, gives the trained model) and was recorded
+    as the base the adapter trained on: a policy loaded there with the adapter took those trained norms
+    as its base ones, so its KL reference and adapter-off evaluation ran on trained norms (2e-3 off in
+    the logits). The base's own norms travel beside the weights and come back as the base ones."""
+    from qerl.adapter import load_adapter_into
+    from qerl.model import BASE_NORMS_FILE, base_model_only
+
+    policy, adapter = _bf16_run_adapter(tmp_path / "adapter")
+    argv = ["--model", "tiny-qwen2", "--format", "bf16", "--from-trained-base", "--dtype", "fp32",
+            "--adapter", str(adapter), "--out", str(tmp_path / "home"), "--overwrite"]
+    dense = main(argv)
+    trained = load_file(adapter / TRAINABLE_NORMS_FILE)
+    weights = load_file(dense / "model.safetensors")
+    assert all(torch.equal(weights[k], trained[k]) for k in trained)  # served: the trained norms
+    assert (dense / BASE_NORMS_FILE).is_file() and main(argv) == dense  # (an export's own file for --overwrite)
+
+    home, _ = load_policy(str(dense), "bf16", LoraSettings(rank=4, alpha=8, trainable_norms=True), dtype="fp32")
+    load_adapter_into(home, dense / ADAPTER_SUBDIR)
+    base = {k: v.float() for k, v in policy.qerl_base_norms.items()}  # the run's untrained bf16 norms
+    assert home.qerl_base_norms.keys() == base.keys()
+    assert all(torch.equal(home.qerl_base_norms[k], base[k]) for k in base)
+    params = dict(home.named_parameters())
+    assert not any(torch.equal(params[k], base[k]) for k in base)  # the policy itself: trained
+    with base_model_only(home):
+        assert all(torch.equal(params[k], base[k]) for k in base)
+    # without the adapter's trained norms nothing is restored (the folder's norms are the base then)
+    plain, _ = load_policy(str(dense), "bf16", LoraSettings(rank=4, alpha=8), dtype="fp32")
+    assert not getattr(plain, "qerl_base_norms", None)
+
+
 def test_overwrite_replaces_the_named_chat_templates_an_export_wrote(tmp_path):
     """transformers 5 saves a tokenizer with named chat templates as chat_template.jinja plus
     additional_chat_templates/<name>.jinja: the export's own folder, which the next --overwrite replaces."""
