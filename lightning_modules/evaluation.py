@@ -161,11 +161,13 @@ def _column_order(metric: str) -> tuple:
 
 
 def results_table(results: dict[str, dict[str, float]]) -> list[str]:
-    """Markdown rows: one per dataset, its problem count and metrics (in `_column_order`) as percentages."""
+    """Markdown rows: one per dataset, its problem count and metrics (in `_column_order`) as percentages;
+    a metric a set does not have (an empty set has no sampled ones) shows as `-`."""
     keys = sorted({k for v in results.values() for k in v if k != "problems"}, key=_column_order)
     lines = [f"| dataset | problems | {' | '.join(keys)} |", "|---|---|" + "---|" * len(keys)]
     for name, values in results.items():
-        lines.append(f"| {name} | {values['problems']} | " + " | ".join(f"{100 * values[k]:.1f}%" for k in keys) + " |")
+        cells = [f"{100 * values[k]:.1f}%" if k in values else "-" for k in keys]
+        lines.append(f"| {name} | {values.get('problems', 0)} | " + " | ".join(cells) + " |")
     return lines
 
 

@@ -105,6 +105,18 @@ def test_maj_at_n_from_records_and_the_metric():
     assert "maj@1" not in metrics_from_records(one, samples=1, pass_k=None)
 
 
+def test_results_table_shows_a_metric_a_set_lacks_as_a_dash():
+    """A set whose rows have no sampled answers (or no rows) has no maj@n: its cell was a KeyError."""
+    from lightning_modules.evaluation import metrics_from_records, results_table
+
+    rows = [{"index": 0, "correct": True, "sampled_correct": [1, 0], "sampled_extracted": ["7", "8"]}]
+    table = results_table({"a": metrics_from_records(rows, samples=2, pass_k=[2]),
+                           "b": metrics_from_records([], samples=2, pass_k=[2])})
+    assert table[0] == "| dataset | problems | pass@1 | mean@2 | maj@2 | pass@2 |"
+    assert table[2] == "| a | 1 | 100.0% | 50.0% | 50.0% | 100.0% |"
+    assert table[3].startswith("| b | 0 | ") and "| - |" in table[3]
+
+
 def test_merge_records_of_ranks_keeps_each_problem_once_in_order():
     from lightning_modules.evaluation import merge_records
 
