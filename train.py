@@ -10,6 +10,7 @@ import re
 import sys
 
 import torch
+import yaml
 from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI, SaveConfigCallback
 from lightning.pytorch.utilities.exceptions import SIGTERMException
@@ -69,6 +70,30 @@ def check_sections(config) -> None:
             got = "null (an empty section?)" if value is None else f"{type(value).__name__} {value!r}"[:80]
             raise ValueError(f"the config's `{key}` section must be a mapping of its settings (`{key}:` with keys "
                              f"under it), got {got}")
+
+
+def _read_yaml_mapping(path: str) -> dict:
+    """The top-level mapping of a config file as YAML reads it; {} when it is not one or cannot be read
+    (jsonargparse reports those, naming the file)."""
+    try:
+        with open(path) as f:
+            raw = yaml.safe_load(f)
+    except (OSError, yaml.YAMLError, UnicodeDecodeError):
+        return {}
+    return raw if isinstance(raw, dict) else {}
+
+
+def check_seed_everything(seed) -> None:
+    """``seed_everything``: true (a random seed), false (none) or an integer numpy can seed with; an
+    integer outside that range was Lightning's ValueError naming no key."""
+    if seed is None or isinstance(seed, bool):
+        return
+    if not isinstance(seed, int) or not 0 <= seed <= _MAX_NUMPY_SEED:
+        raise ValueError(f"seed_everything must be an integer in [0, {_MAX_NUMPY_SEED}] (what numpy seeds) or true "
+                         f"(a random one), got {seed!r}")
+
+
+_MAX_NUMPY_SEED = 2**32 - 1
 
 
 def check_trainer_settings(trainer) -> None:
@@ -196,9 +221,15 @@ class QeRLCLI(LightningCLI):
             parser.add_argument(f"--{key}", default=None, help=argparse.SUPPRESS)
 
     def parse_arguments(self, parser, args) -> None:
+        # each --config file as written: a command-line `--trainer.x` replaces a `trainer: 5` section
+        # silently, and a file of one empty section (`model:`) is "Unexpected config" to jsonargparse
+        argv = sys.argv[1:] if args is None else args
+        for path in _config_paths(list(argv)) if isinstance(argv, (list, tuple)) else []:
+            check_sections(_read_yaml_mapping(path))
         super().parse_arguments(parser, args)
         subcommand = self.config.get("subcommand")  # (None under `main(run=False)`: the config is flat)
         config = self.config[subcommand] if subcommand else self.config
+        check_seed_everything(config.get("seed_everything"))
         for key in _NOT_OURS:
             if config.get(key) is not None:
                 raise ValueError(f"{key}: not used here: QeRLModule builds AdamW and its schedule from model.optimizer "

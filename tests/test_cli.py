@@ -277,6 +277,33 @@ def test_a_section_that_is_not_a_mapping_is_one_line(tmp_path, monkeypatch, key,
         main([subcommand, *args] if subcommand else args, run=subcommand is not None)
 
 
+def test_a_broken_section_is_named_also_under_a_command_line_value_or_alone(tmp_path, monkeypatch):
+    """`trainer: 5` with a `--trainer.max_steps` on the command line: the value replaced the section
+    silently (then "fit needs a callbacks.RolloutCallback"); a file that is only `model:` was
+    jsonargparse's "Unexpected config". Both name the section, from the file as written."""
+    monkeypatch.chdir(tmp_path)
+    args = fast_args(tmp_path, 1)
+    cfg = yaml.safe_load(Path(args[1]).read_text())
+    Path(args[1]).write_text(yaml.safe_dump({**cfg, "trainer": 5}))
+    with pytest.raises(ValueError, match="the config's `trainer` section must be a mapping .*got int 5"):
+        main(["fit", *args, "--trainer.max_steps=1"])
+    (tmp_path / "only_model.yaml").write_text("model:\n")
+    with pytest.raises(ValueError, match=r"the config's `model` section must be a mapping .*got null"):
+        main(["fit", "--config", str(tmp_path / "only_model.yaml")])
+
+
+@pytest.mark.parametrize("value, ok", [("-1", False), ("4294967296", False), ("4294967295", True), ("true", True)])
+def test_seed_everything_outside_numpys_range_names_its_key(tmp_path, monkeypatch, value, ok):
+    """-1 was Lightning's "-1 is not in bounds, numpy accepts from 0 to 4294967295", naming no key."""
+    monkeypatch.chdir(tmp_path)
+    argv = fast_args(tmp_path, 1, [f"--seed_everything={value}"])
+    if ok:
+        main(argv, run=False)
+        return
+    with pytest.raises(ValueError, match=rf"^seed_everything must be an integer in \[0, 4294967295\] .*got {value}$"):
+        main(argv, run=False)
+
+
 @pytest.mark.parametrize("value", ["0", "-3", ".nan", ".inf"])
 def test_a_val_check_interval_lightning_divides_by_fails_before_the_run(tmp_path, monkeypatch, value):
     """0 ran a training step, then a ZeroDivisionError from Lightning's loop."""
