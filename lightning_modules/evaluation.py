@@ -317,8 +317,8 @@ class EvaluationMixin:
                        "completions": self._eval_records}, f, indent=1)
         lines = results_table(results)
         with open(stem + ".md", "w") as f:
-            sampled = (f", mean@n, maj@n and pass@k from n = {s.samples} samples at T = {s.temperature}, top-p {s.top_p}"
-                       if s.samples > 0 else " (no sampled completions: eval.samples 0)")
+            sampled = (f", mean@n, maj@n and pass@k from n = {s.samples} samples at T = {s.temperature}, top-p {s.top_p}, "
+                       f"seed {s.seed}" if s.samples > 0 else " (no sampled completions: eval.samples 0)")
             f.write(f"{self.model_name} ({self.quantization}, {self._adapter_label()}), "
                     f"step {step}; pass@1 is greedy{sampled}\n\n" + "\n".join(lines) + "\n")
 

@@ -174,6 +174,7 @@ def test_validate_on_quickstart_logs_pass_at_1_and_writes_report(tmp_path, monke
         assert all(isinstance(t, str) for t in r["sampled_completions"]) and set(r["sampled_finish"]) <= {"stop", "length"}
     md = (Path(cli.trainer.log_dir) / "eval" / "val_step0.md").read_text()
     assert md.count("| arithmetic | 8 |") == 1 and "untrained adapter" in md.splitlines()[0]
+    assert md.splitlines()[0].endswith("from n = 2 samples at T = 0.6, top-p 0.95, seed 0")  # what drew them
 
 
 def test_claim_unused_path_creates_what_it_returns(tmp_path):
