@@ -14,8 +14,15 @@ import unicodedata
 _BOX_RE = re.compile(r"\\(?:boxed|fbox)\s*\{")
 # GSM8K's answer marker, one line after `####`: `18`, `$1,234`, `-0.5`, `\frac{1}{2}`, `18 dollars`, also
 # through emphasis (`**18**`) and an `Answer:` prefix; `x = 18` only when nothing follows the value.
-# A markdown heading (`Step 2: Money`, `1. Setup`, `3) Result`) or `n = 3 apples per box` is not one.
+# A markdown heading (`Step 2: Money`, `1. Setup`, `3) Result`) or `n = 3 apples per box` is not one; a line
+# that starts with a relation (`#### \neq 18`, `#### > 18`) is, so that the reward can refuse it as it does a box.
 _HASH_LINE_RE = re.compile(r"####([^\n]*)")
+# a relation or negation with nothing on its left: `\neq 72`, `\geq 5`, `\nleq 5`, `\notin A`, `> 3`,
+# `{\ge} 5`, `≤ 4`; not GSM8K's `<<2*9=18>>` calculator markup nor an angle-bracket vector `<1, 2>`.
+# (`\s*(?:\{\s*)?`, not `\s*\{?\s*`: two whitespace runs side by side backtracked quadratically, 8 s on 40k spaces)
+_LEADING_RELATION_RE = re.compile(
+    r"^\s*(?:\{\s*)?(?:\\(?:n?[lg]eq?q?|n?[lg]eqslant|[lg]neq?q?|[lg]t|ll|gg|ne|neq|not[a-z]*|neg|lnot|nless|ngtr)"
+    r"(?![A-Za-z])|[≠≤≥≮≯≰≱⩽⩾]|!=|>|<(?![<])(?![^<>]*>\s*$))")
 # `$-5`, `-$5`, `\$ 5`, `- 5`; no two `[ \t]*` side by side (with the sign optional between them a
 # run of spaces split every way: quadratic backtracking, 51 s on 20k spaces, past any deadline)
 _SIGN_AND_DOLLAR = r"(?:\\?\$[ \t]*)?(?:[-+][ \t]*)?(?:\\?\$[ \t]*)?"
@@ -126,10 +133,20 @@ def answer_tag_content(text: str) -> str | None:
     return text[start + len("<answer>"):end] if start >= 0 else None
 
 
+def starts_with_relation(text: str) -> bool:
+    """Whether ``text`` starts with a relation or negation that has no left side (``\\neq 72``, ``> 72``,
+    ``\\geq 5``, ``\\nleq 5``, ``\\neg 72``): an answer that is *not* its number, which math-verify
+    would still read as that number. ``\\approx 72`` is not one (approximately 72 is 72), nor
+    ``x > 72``, GSM8K's ``<<2*9=18>>18`` or a vector ``<1, 2, 3>``. An opening ``$`` is skipped (``$\\geq 18$``)."""
+    return bool(_LEADING_RELATION_RE.match(text.lstrip().removeprefix("$")))
+
+
 def hash_answer(text: str) -> str | None:
     """The line after the last ``####`` that reads as an answer (it starts with a number, ``$`` or a
     fraction, after emphasis and an ``Answer:`` prefix; ``x = 18`` when only the value follows),
-    stripped; None when there is none. A markdown heading (``#### Step 2``, ``#### 1. Setup``) is not."""
+    stripped; None when there is none. A markdown heading (``#### Step 2``, ``#### 1. Setup``) is not.
+    A line that starts with a relation (``#### \\neq 18``) is returned too: it is an answer, a wrong one
+    (``MathAccuracy`` refuses it as it refuses ``\\boxed{\\neq 18}``), not a line to skip for an earlier one."""
     if not isinstance(text, str) or "####" not in text:
         return None
     for line in reversed(_HASH_LINE_RE.findall(text)):  # the last answer line wins (self-corrections)
@@ -144,7 +161,29 @@ def hash_answer(text: str) -> str | None:
             continue
         if _STARTS_LIKE_ANSWER_RE.match(line) and not _NUMBERED_HEADING_RE.match(line):
             return line
+        if starts_with_relation(line):
+            return line
     return None
+
+
+# A sign then a dollar, spaces around either (`-$5`, `- \$ 5`): the sign is the number's. One space run on each
+# side of the mandatory `$` (no two optional runs side by side: see `_SIGN_AND_DOLLAR`).
+_SIGN_THEN_DOLLAR_RE = re.compile(r"([-+])[ \t]*\\?\$[ \t]*")
+_SIGN_THEN_SPACE_RE = re.compile(r"([-+])[ \t]+")  # `- 5`: a sign apart from its number
+_FINAL_PERIOD_RE = re.compile(r"(?<=\d)\.$")  # `18.` (not `0.33..`, which ends after a point)
+
+
+def clean_hash_answer(line: str) -> str:
+    """A ``####`` answer line (`hash_answer`) as a box's content: ``$`` and ``\\$`` removed (math-verify reads
+    ``-$5`` as nothing), a sign joined to its number (``- 5``, ``-$5`` → ``-5``; ``+3`` → ``3``) and a final
+    period after a digit dropped (``18.``). Linear time."""
+    line = line.replace("\\$", "").replace("$", "").strip()
+    sign = _SIGN_THEN_SPACE_RE.match(line)
+    if sign is not None:
+        line = sign.group(1) + line[sign.end():]
+    if line.startswith("+"):  # (a plus sign says nothing; `\boxed{+3}` only happens to read as 3)
+        line = line[1:].lstrip()
+    return _FINAL_PERIOD_RE.sub("", line)
 
 
 def normalize_minus(text: str) -> str:
@@ -179,9 +218,14 @@ def extract_gsm8k_gold(answer_field: str) -> str:
 
 def clean_short_answer(text: str) -> str:
     """Strip math delimiters and sentence punctuation around a one-line answer; a plain number
-    loses its thousands separators (``1,000`` → ``1000``) as in `extract_gsm8k_gold`."""
+    loses its thousands separators (``1,000`` → ``1000``) as in `extract_gsm8k_gold`. A leading sign with
+    a dollar is the sign alone (``-$5``, ``- \\$ 5``, ``−$5`` → ``-5``): stripping ``$`` only at the ends
+    left ``-$5``, a gold that math-verify reads as nothing, so no answer could match it."""
     text = text.strip().strip("$").strip()
     text = text.rstrip(".").strip().strip("$").strip()
+    signed = _SIGN_THEN_DOLLAR_RE.match(normalize_minus(text[:1]) + text[1:])  # (`−`: U+2212 and the like)
+    if signed is not None:
+        text = signed.group(1) + text[signed.end():]
     return text.replace(",", "") if _PLAIN_NUMBER_RE.fullmatch(text) else text
 
 

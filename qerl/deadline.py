@@ -44,8 +44,12 @@ def call_with_deadline(fn: Callable[[], _T], seconds: float) -> _T:
 
     math-verify 0.9's own timeouts use ``signal.alarm`` with whole seconds and raise ValueError
     outside the main thread, so we disable them (``None``) and arm one sub-second ``setitimer``
-    around parse+verify ourselves. Python delivers the signal between bytecodes; sympy's big-number
-    work (``9^{9^{9^9}}``, ``99999999!``) runs in Python loops and was measured to stop on time.
+    around parse+verify ourselves. Python delivers the signal between bytecodes, so work in Python loops
+    stops on time: sympy on ``9^{9^{9^9}}`` or ``99999999!`` against an integer gold was measured to. One
+    C-level operation does not: math-verify's numeric check of a power with a huge exponent
+    (``10^{10^{10^{10}}}`` against ``y^2``) shifts a big integer by ~10^10 bits inside mpmath, 10-19 s
+    and ~9 GB past a 2 s deadline. ``MathAccuracy`` keeps such numbers from math-verify beforehand
+    (``qerl.math_parsing.has_huge_power``); this deadline does not bound them.
     Outside the main thread no signal can be used: there only the input-length caps bound the cost.
     """
     if seconds <= 0 or seconds > _LONGEST_TIMER_S or not _can_use_alarm():

@@ -7,13 +7,14 @@ candidates for exactly those forms. Every function is pure; the caller bounds th
 
 from __future__ import annotations
 
+import math
 import re
 from functools import lru_cache
 
 import math_verify
 from sympy import Basic, MatrixBase
 
-from qerl.answers import _BOX_RE, hash_answer
+from qerl.answers import _BOX_RE, clean_hash_answer, starts_with_relation  # noqa: F401 (re-exported)
 
 
 @lru_cache(maxsize=4096)
@@ -48,26 +49,13 @@ _NOT_UNITS = frozenset(
     "sin cos tan cot sec csc sinh cosh tanh arcsin arccos arctan log ln exp sqrt root roots factorial squared "
     "cubed power powers times plus minus over divided and or less more than fewer greater smaller hundred "
     "hundreds thousand thousands million millions billion billions trillion dozen dozens percent half halves "
-    "third thirds quarter quarters pi".split())
+    "third thirds quarter quarters pi".split()
+    # nor a negation: `18 dollars is wrong`, `18 is not it` deny the number they hold
+    + "not no nor never neither none wrong incorrect false".split())
 
 
 # Boxes that math-verify 0.9 leaves as strings although their `$content$` is the number.
 _LOOSE_BOX_RE = re.compile(rf"%|\\(?:{_TEXT_MACROS}|operatorname|unit)(?![a-z])")
-
-
-# a relation or negation with nothing on its left: `\neq 72`, `\geq 5`, `\nleq 5`, `\notin A`, `> 3`,
-# `{\ge} 5`, `≤ 4`; not GSM8K's `<<2*9=18>>` calculator markup nor an angle-bracket vector `<1, 2>`
-_LEADING_RELATION_RE = re.compile(
-    r"^\s*\{?\s*(?:\\(?:n?[lg]eq?q?|n?[lg]eqslant|[lg]neq?q?|[lg]t|ll|gg|ne|neq|not[a-z]*|neg|lnot|nless|ngtr)"
-    r"(?![A-Za-z])|[≠≤≥≮≯≰≱⩽⩾]|!=|>|<(?![<])(?![^<>]*>\s*$))")
-
-
-def starts_with_relation(text: str) -> bool:
-    """Whether ``text`` starts with a relation or negation that has no left side (``\\neq 72``, ``> 72``,
-    ``\\geq 5``, ``\\nleq 5``, ``\\neg 72``): an answer that is *not* its number, which math-verify
-    would still read as that number. ``\\approx 72`` is not one (approximately 72 is 72), nor
-    ``x > 72``, GSM8K's ``<<2*9=18>>18`` or a vector ``<1, 2, 3>``."""
-    return bool(_LEADING_RELATION_RE.match(text))
 
 
 def strip_end_punctuation(text: str) -> str:
@@ -98,6 +86,27 @@ def _is_multi_valued(gold: str) -> bool:
         if ch == "," and depth <= 0:
             return True
     return False
+
+
+# A `####` line's number then unit words: as `_BARE_NUMBER_UNITS_RE`, and a first word of one or two letters
+# if it is a common unit (`20 km`, `5 m`, `3 h`): a `####` line holds a number, rarely algebra (`3 x`).
+_SHORT_UNITS = frozenset("m cm mm km g kg mg h hr s ms l L ml mL ft in yd mi lb oz".split())
+_HASH_NUMBER_UNITS_RE = re.compile(r"([-+]?(?:\d[\d,]*(?:\.\d+)?|\.\d+))\s+([A-Za-z]+)([A-Za-z\s.]*)")
+
+
+def hash_answer_content(line: str) -> str | None:
+    """A ``####`` answer line (`qerl.answers.hash_answer`) as the content of a box: ``$`` removed and a sign
+    joined to its number (`clean_hash_answer`), its number alone when unit words follow it (``18 dollars``,
+    ``20 km`` → ``18``, ``20``), else the line if it is maths alone (`is_bare_math`: ``\\frac{1}{2}``,
+    ``16, 17, 18``, ``\\neq 18``, which the caller refuses as it would those boxes). None for a line with
+    other words beyond its value (``17 or 18``, ``18 is not right``, ``17 (not 18)``): math-verify reads
+    such a line's last number, so those scored as 18."""
+    line = _SPACE_SEP_RE.sub("", clean_hash_answer(line))
+    m = _HASH_NUMBER_UNITS_RE.fullmatch(line)
+    if m is not None and (len(m.group(2)) >= 3 or m.group(2) in _SHORT_UNITS):
+        words = re.findall(r"[A-Za-z]+", m.group(2) + m.group(3))
+        return None if any(w.lower() in _NOT_UNITS for w in words) else m.group(1)
+    return line if line and is_bare_math(line) else None
 
 
 def _text_number(boxed: str) -> str | None:
@@ -156,16 +165,9 @@ def _parse_cached(text: str, boxed: str | None) -> tuple:
     is parsed again without it. Only these: ``$5+$`` or ``$5 \\le$`` also parse to 5, and an
     unfinished box is not the number.
     A number in ``\\text{}`` with units (``\\text{18 dollars}``, a symbol ``18dollars`` to
-    math-verify) adds ``$18$`` likewise. Without a box, the line after the last ``####`` is parsed
-    first, since a GSM8K-style solution's ``$<<4+2=6.00>>6.00`` spans would otherwise outrank it.
+    math-verify) adds ``$18$`` likewise. A ``####`` line comes here boxed (`hash_answer_content`).
     """
     if boxed is None:
-        tail = hash_answer(text)
-        if tail is not None:
-            parsed = (math_verify.parse(tail, parsing_timeout=None)  # (`-$5`: math-verify reads nothing)
-                      or math_verify.parse(tail.replace("\\$", "").replace("$", ""), parsing_timeout=None))
-            if parsed:
-                return tuple(parsed)
         return tuple(math_verify.parse(text, parsing_timeout=None))
     parsed = math_verify.parse(text, parsing_timeout=None)
     if not has_expression(parsed):
@@ -178,3 +180,180 @@ def _parse_cached(text: str, boxed: str | None) -> tuple:
     if number is not None:
         parsed = parsed + math_verify.parse(f"${number}$", parsing_timeout=None)
     return tuple(parsed)
+
+
+# ----------------------------------------------------------------------------------------------
+# Numbers too large to hand to math-verify
+# ----------------------------------------------------------------------------------------------
+
+# math-verify compares numerically with sympy's evalf; for a power whose exponent is itself astronomically large
+# (`10^{10^{10^{10}}}`, `2^{2^{2^{35}}}`, `e^{10^{10^{10}}}`, `10**10**10**10` in plain text) mpmath shifts a
+# mantissa by that exponent's bit count (`tman<<texp`): one C-level big-integer operation that SIGALRM cannot
+# interrupt (10-19 s and ~9 GB measured; `2^{2^{2^{37}}}` asks for 16+ GB). It starts to cost at an exponent
+# of ~2^(2^30) (`2^{2^{2^{30}}}`: 0.6 GB, `2^{2^{2^{32}}}`: 1.7 GB and 0.5 s past a 2 s deadline), a value
+# of ~10^(3*10^8) digits. Real answers are far smaller: 2^{2007} has 605 digits, 10^{100} 101. A power (or
+# `\exp`) whose value may exceed 10^10000 is kept from math-verify: four orders of magnitude in the number of
+# digits below where the cost starts, ten above the largest real answers.
+_MAX_POWER_LOG10 = 10_000.0
+_FINITE_CAP = 1e250  # a log10 bound kept finite (as an exponent it folds to inf; sums of such stay finite)
+_LOG10_2 = math.log10(2)
+_CONSTANT_LOG10 = {"e": math.log10(math.e), "pi": math.log10(math.pi)}  # (`e` is Euler's number to math-verify)
+_EXP_COMMANDS = frozenset({"exp"})  # `\exp(y)`: e^y
+# Commands whose value is in the bracket groups after them: after a `^` they leave the exponent to come
+# (`2^\frac{1}{2}`, `2^\left(...\right)`), where any other command is the exponent (`90^\circ`, `x^\prime`).
+_ARGUMENT_COMMANDS = frozenset(
+    f"frac dfrac tfrac cfrac sqrt left right bigl bigr Bigl Bigr big Big binom dbinom tbinom operatorname mathbf "
+    f"displaystyle {_TEXT_MACROS.replace('|', ' ')}".split())
+# One token each: a decimal literal | a power operator (`^`, and `**`, which math-verify reads in plain text)
+# | factorial signs | a command or escaped character | an opening bracket | a closing bracket | a word.
+# Anything else (operators, punctuation) separates items; whitespace is skipped.
+_MAGNITUDE_TOKEN_RE = re.compile(
+    r"(\d+(?:\.\d*)?|\.\d+)|(\^|\*\*)|(!+)|\\([A-Za-z]+|.)|([{(\[])|([})\]])|([A-Za-z]+)|\S", re.DOTALL)
+
+
+def _literal_log10(literal: str) -> float:
+    """log10 of a decimal literal's magnitude, at least 0, and at least its count of decimals: a
+    decimal can divide (1/0.001 is 1000), so its reciprocal is bounded too."""
+    whole, _, decimals = literal.partition(".")
+    whole = whole.lstrip("0")
+    size = math.log10(float(whole[:17])) + max(len(whole) - 17, 0) if whole else 0.0
+    return max(size, float(len(decimals)))
+
+
+def _pow10(log10: float) -> float:
+    """10**log10 without OverflowError (inf past a float's range)."""
+    return 10.0 ** log10 if log10 < 300.0 else math.inf
+
+
+def _fold_power_chain(chain: list[float]) -> float:
+    """log10 bound of ``a^b^c...`` (right-associative, as math-verify reads both ``2^{2^{10}}`` and
+    ``2**2**10``) from the operands' log10 bounds; inf once any partial power passes `_MAX_POWER_LOG10`.
+    A base of magnitude <= 1 (``1``, a symbol) gives 0 whatever its exponent."""
+    result = chain[-1]
+    for base in reversed(chain[:-1]):
+        result = _pow10(result) * base if base > 0.0 else 0.0
+        if result > _MAX_POWER_LOG10:
+            return math.inf
+    return result
+
+
+def _factorial_log10(log10: float) -> float:
+    """log10 bound of n! for n <= 10**log10 (Stirling, rounded up), capped at `_FINITE_CAP`: a factorial
+    alone is no power (``99999999!`` stops at the deadline); only a power over one is checked."""
+    n = _pow10(log10)
+    if n < 2.0:
+        return 0.0
+    return min(n * (log10 - _CONSTANT_LOG10["e"]) + 0.5 * math.log10(2 * math.pi * n) + 1.0, _FINITE_CAP)
+
+
+class _Group:
+    """One bracket level of `has_huge_power`'s scan: its finished items' log10 bounds, summed, and the power
+    chain being read (``a ^ b ^ c``: operands, and whether a ``^`` still waits for its exponent). ``huge``:
+    some power in it passed the bound."""
+
+    __slots__ = ("total", "numbers", "chain", "numeric_chain", "awaits_exponent", "huge")
+
+    def __init__(self) -> None:
+        self.total, self.numbers = 0.0, 0
+        self.chain: list[float] = []
+        self.numeric_chain = self.awaits_exponent = self.huge = False
+
+    def item(self, log10: float, numeric: bool) -> None:
+        """A literal, constant, symbol or closed group: the pending exponent, or the start of a new chain."""
+        if not self.awaits_exponent:
+            self.end_chain()
+        self.chain.append(log10)
+        self.numeric_chain |= numeric
+        self.awaits_exponent = False
+
+    def caret(self) -> None:
+        if not self.chain:  # a base the scan does not value (`\sigma^2`): magnitude <= 1, as a symbol's
+            self.chain.append(0.0)
+        self.awaits_exponent = True
+
+    def factorial(self) -> None:
+        """``n!`` on the chain read so far: ``(a^b)!`` (LaTeX) or ``a^(b!)`` (plain text), the larger."""
+        if self.chain and not self.awaits_exponent:
+            whole = self._fold(self.chain)
+            last = self._fold(self.chain[:-1] + [_factorial_log10(self.chain[-1])])
+            self.chain = [max(_factorial_log10(whole), last)]
+
+    def separator(self, before_exponent: bool = False) -> None:
+        """An operator, punctuation or command: the end of the chain, unless it may come between a ``^`` and
+        its exponent (``before_exponent``: the sign of ``2^-5``, the ``\\left`` of ``2^\\left(``)."""
+        if self.awaits_exponent and before_exponent:
+            return
+        self.awaits_exponent = False
+        self.end_chain()
+
+    def end_chain(self) -> None:
+        if self.chain:
+            self.total = min(self.total + self._fold(self.chain), _FINITE_CAP)
+            self.numbers += self.numeric_chain
+        self.chain, self.numeric_chain = [], False
+
+    def close(self) -> tuple[float, bool]:
+        """The group's log10 bound and whether it holds a number: k numbers combined by + - * are at most
+        2^k times the product of their magnitudes (each counted as at least 1), whatever the operators."""
+        self.end_chain()
+        return self.total + (self.numbers * _LOG10_2 if self.numbers > 1 else 0.0), self.numbers > 0
+
+    def _fold(self, chain: list[float]) -> float:
+        result = _fold_power_chain(chain)
+        if math.isinf(result):
+            self.huge = True
+            return _FINITE_CAP
+        return result
+
+
+def has_huge_power(text: str) -> bool:
+    """Whether ``text`` may hold a power (``a^b``, ``a^{...}`` nested, ``a**b``, ``e^{...}``, ``\\exp``; a
+    factorial counts inside one) whose value passes 10^10000 (`_MAX_POWER_LOG10`), which math-verify must
+    not compare (see above). An upper bound, in one linear scan that never raises: a literal counts its
+    magnitude, ``e`` and ``\\pi`` theirs, any other symbol 1 (a word: the product of its letters); a
+    bracket group at most the product of its numbers times 2 per number, so sums, products, signs and
+    fractions are covered. Only powers are checked: a sum or product of numbers below the bound costs
+    math-verify no more than its parts."""
+    if "^" not in text and "**" not in text and "\\exp" not in text:  # (no power at all: most text, at C speed)
+        return False
+    stack = [_Group()]
+    for m in _MAGNITUDE_TOKEN_RE.finditer(text):
+        literal, caret, bang, command, opening, closing, word = m.groups()
+        group = stack[-1]
+        if literal is not None:
+            group.item(_literal_log10(literal), True)
+        elif caret is not None:
+            group.caret()
+        elif bang is not None:
+            group.factorial()
+        elif command in _EXP_COMMANDS:
+            group.item(_CONSTANT_LOG10["e"], True)
+            group.caret()
+        elif command == "pi":
+            group.item(_CONSTANT_LOG10["pi"], True)
+        elif command is not None and (command in _ARGUMENT_COMMANDS or not command.isalpha()):
+            group.separator(before_exponent=True)
+        elif command is not None:  # a symbol (`\sigma`, `\circ`): an exponent after `^`, else a separator
+            if group.awaits_exponent:
+                group.item(0.0, False)
+            else:
+                group.separator()
+        elif opening is not None:
+            stack.append(_Group())
+        elif closing is not None and len(stack) > 1:
+            stack.pop()
+            stack[-1].item(*group.close())
+            stack[-1].huge |= group.huge
+        elif word is not None:  # a product of symbols, with e and pi (plain text) as the numbers they are
+            constants = word.count("e") * _CONSTANT_LOG10["e"] + word.count("pi") * _CONSTANT_LOG10["pi"]
+            group.item(constants, constants > 0)
+        else:  # operators, punctuation, a stray closing bracket
+            group.separator(before_exponent=m.group() in "+-")
+        if stack[-1].huge:
+            return True
+    while len(stack) > 1:  # unclosed brackets, closed at the end
+        group = stack.pop()
+        stack[-1].item(*group.close())
+        stack[-1].huge |= group.huge
+    stack[0].end_chain()
+    return stack[0].huge

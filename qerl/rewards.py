@@ -22,7 +22,8 @@ then the tail of the whole completion.
 
 Safety: a reward is called on arbitrary model output, so no call may raise or hang.
 ``MathAccuracy`` parses at most ``max_chars`` of a completion, catches every exception (→ 0.0, with a
-rate-limited warning), and bounds each parse/verify with a wall-clock deadline (``qerl.deadline``).
+rate-limited warning), and bounds each parse/verify with a wall-clock deadline (``qerl.deadline``); an
+answer or gold with a power past 10^10000, whose numeric check no deadline can stop, is compared as text.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ import logging
 import math
 import re
 import sys
-from typing import Any
+from typing import Any, NamedTuple
 
 import math_verify
 
@@ -40,12 +41,14 @@ from qerl.answers import (  # noqa: F401
     hash_answer, is_long_integer, long_integers_equal, normalize_digits, normalize_minus, unwrap_emphasis)
 from qerl.deadline import call_with_deadline as _deadline
 from qerl.math_parsing import (  # noqa: F401 (re-exported)
-    _DIGIT_SEP_RE, _SPACE_SEP_RE, _is_multi_valued, _parse_gold, _parse_pred, _text_number, has_expression,
-    is_bare_math, starts_with_relation)
+    _DIGIT_SEP_RE, _MAX_POWER_LOG10, _SPACE_SEP_RE, _is_multi_valued, _parse_gold, _parse_pred, _text_number,
+    has_expression, has_huge_power, hash_answer_content, is_bare_math, starts_with_relation)
 from qerl.reward_function import RewardFunction, _warn_limited
 
 logger = logging.getLogger(__name__)
 _WHITESPACE_RE = re.compile(r"\s*")
+# What two answers' texts are compared without: whitespace, `$`, `\left`/`\right` and LaTeX spacing (`\,`, `\!`)
+_TEXT_NOISE_RE = re.compile(r"\s+|\$|\\(?:left|right)(?![A-Za-z])|\\[,!:; ]")
 _long_integer_warned = [False]  # (once per process: a data set's long golds would repeat it every step)
 
 # ----------------------------------------------------------------------------------------------
@@ -69,6 +72,24 @@ for _name in ("math_verify.parser", "math_verify.grader"):
 # ----------------------------------------------------------------------------------------------
 
 
+def _same_text(a: str, b: str) -> bool:
+    """Whether two answers are the same text, up to whitespace, ``$``, ``\\left``/``\\right``, LaTeX spacing
+    and a final period: how answers that math-verify must not compare (`has_huge_power`) are matched."""
+    def plain(text: str) -> str:
+        return _TEXT_NOISE_RE.sub("", text).removesuffix(".")
+
+    return plain(a) == plain(b)
+
+
+class _Prediction(NamedTuple):
+    """What a completion is scored on (`MathAccuracy._prediction`)."""
+
+    text: str  # the normalised completion
+    boxed: str | None  # its last box's content, an `<answer>` span or `####` line read as one; None without
+    pred_text: str  # the text math-verify parses: `\boxed{<boxed>}`, or the completion's tail
+    hash_line: bool  # `boxed` is the line after `####`
+
+
 class MathAccuracy(RewardFunction):
     """1.0 if the completion's final answer equals the gold answer under math-verify, else 0.0.
 
@@ -77,9 +98,13 @@ class MathAccuracy(RewardFunction):
     written in ``\\text{}`` with unit words (``\\text{18 dollars}``), that number is a further
     candidate. Without a box (unless ``boxed_only``): the last ``<answer>...</answer>`` (R1 style),
     read as a box is when it is maths alone and as text when it has words; else the line after the
-    last ``####`` (GSM8K style) if math-verify parses anything there, else the whole (tail of the)
-    completion, where math-verify takes the last LaTeX/number expression. Equivalences handled include
+    last ``####`` (GSM8K style), read as a box's content is (`hash_answer_content`: ``$`` removed, a sign
+    joined to its number, a number with unit words as that number; other words, several values or a
+    leading relation score 0 as in a box); else the whole (tail of the) completion, where math-verify
+    takes the last LaTeX/number expression. Equivalences handled include
     ``\\frac{1}{2}``/``0.5``/``1/2``, ``1,000``/``1000``, ``\\$5``/``5`` and ``5\\%``/``5``.
+    An answer or gold with a power past 10^10000 (``10^{10^{10^{10}}}``) is compared as text, not by
+    math-verify, whose numeric check would run past any deadline on it (`has_huge_power`).
 
     Args:
         boxed_only: If True, a completion without ``\\boxed{}`` scores 0 (no fallback parse).
@@ -120,10 +145,9 @@ class MathAccuracy(RewardFunction):
                 raise RuntimeError("MathAccuracy: math-verify does not match \\boxed{1} with '1'; check its install")
             self._warmed_up = True
 
-    def _prediction(self, completion: Any) -> tuple[str, str | None, str] | None:
-        """What a completion is scored on: ``(text, boxed, pred_text)`` -- the normalised completion, its
-        last box's content (None without one) and the text math-verify parses -- or None when it
-        scores 0 whatever the gold (no box under ``boxed_only``, no answer tag, an over-long box)."""
+    def _prediction(self, completion: Any) -> _Prediction | None:
+        """What a completion is scored on, or None when it scores 0 whatever the gold (no box under
+        ``boxed_only``, no answer tag, an over-long box, a ``####`` line with words beyond its value)."""
         if not isinstance(completion, str):
             return None
         if self.answer_tag:
@@ -147,26 +171,33 @@ class MathAccuracy(RewardFunction):
                 boxed, span = span, None  # maths alone (`\sqrt{51}`, `\pi`): read as a box is, whole
         if boxed is None and self.boxed_only:
             return None
+        # Without a box, the tail (answers sit at the end), with `−5` read as -5 as it is inside LaTeX.
+        # A span in words (`The answer is 72`, `72 clips`) is parsed as text: boxed, math-verify would
+        # read the words as a product of symbols.
+        tail = normalize_minus((span or text)[-limit:]) if boxed is None else ""
+        line = hash_answer(tail) if boxed is None else None
+        if line is not None:  # a GSM8K `####` line is read as a box is: math-verify alone takes its last number,
+            boxed = hash_answer_content(line)  # so `17 or 18`, `16, 17, 18`, `> 18` were all 18
+            if boxed is None:  # words beyond the value (`18 is not right`)
+                return None
         if boxed is not None:  # a plain space as the separator, only in the answer itself (`\boxed{12 345}`)
             boxed = _SPACE_SEP_RE.sub("", boxed)
             if len(boxed) > limit:  # no answer is that long, and parsing it is what the cap prevents
                 return None
         # Re-box the extracted content so math-verify sees exactly the last box (its boxed regex
-        # is brace-balanced) rather than whatever else the completion contains. Without a box, the
-        # tail (answers sit at the end), with `−5` read as -5 as it is inside LaTeX.
-        # A span in words (`The answer is 72`, `72 clips`) is parsed as text: boxed, math-verify would
-        # read the words as a product of symbols.
-        pred_text = "\\boxed{" + boxed + "}" if boxed is not None else normalize_minus((span or text)[-limit:])
-        return text, boxed, pred_text
+        # is brace-balanced) rather than whatever else the completion contains.
+        pred_text = "\\boxed{" + boxed + "}" if boxed is not None else tail
+        return _Prediction(text, boxed, pred_text, line is not None)
 
     def scored_answer(self, completion: Any) -> str | None:
         """The answer `score_one` compares with the gold, as text (for reports next to its verdict):
-        the last box's (or ``<answer>`` span's) content, else what math-verify parsed from the ``####``
-        line or the tail; None when nothing is scored or the parse fails or times out. Never raises."""
+        the last box's (or ``<answer>`` span's, or ``####`` line's) content, else what math-verify parsed
+        from the tail; None when nothing is scored or the parse fails or times out. Never raises.
+        (math-verify's parse alone is lazy: a power tower costs it nothing, only its comparison does.)"""
         prediction = self._prediction(completion)
         if prediction is None:
             return None
-        _, boxed, pred_text = prediction
+        boxed, pred_text = prediction.boxed, prediction.pred_text
         if boxed is not None:
             return boxed
         try:
@@ -183,7 +214,7 @@ class MathAccuracy(RewardFunction):
         prediction = self._prediction(completion)
         if prediction is None:
             return 0.0
-        text, boxed, pred_text = prediction
+        text, boxed, pred_text, hash_line = prediction
         limit = self.max_chars if self.max_chars > 0 else len(text)
         gold = _SPACE_SEP_RE.sub("", _DIGIT_SEP_RE.sub("", normalize_digits(gold)))
 
@@ -192,11 +223,20 @@ class MathAccuracy(RewardFunction):
         gold_text = _text_number(gold.strip()) or gold.strip()
         if boxed is not None and starts_with_relation(boxed) and not starts_with_relation(gold_text):
             return 0.0  # `\neq 72`, `> 72`: math-verify keeps the 72 and drops the relation ("not 72" is no 72)
+        if hash_line and _is_multi_valued(boxed) and not _is_multi_valued(gold_text):
+            return 0.0  # `#### 16, 17, 18` lists candidates; only a gold with several values is answered so
         # integers longer than Python's int-string limit: math-verify cannot convert them (it scores 0
         # silently), so they are compared here as digit strings (linear; `limit` bounds the box)
-        exact = long_integers_equal(gold_text, boxed if boxed is not None else hash_answer(pred_text))
+        exact = long_integers_equal(gold_text, boxed)
         if exact is not None:
             return 1.0 if exact else 0.0
+        # a power tower (`10^{10^{10^{10}}}`) would hold math-verify past any deadline: compared as text
+        answer = boxed if boxed is not None else pred_text
+        if has_huge_power(gold_text) or has_huge_power(answer):
+            _warn_limited(f"MathAccuracy: a power past 10^{_MAX_POWER_LOG10:.0f} in the answer {answer[:80]!r} or the "
+                          f"gold {gold_text[:80]!r}: compared as text, not by math-verify (its numeric check "
+                          "cannot be interrupted on such numbers)")
+            return 1.0 if _same_text(answer, gold_text) else 0.0
         if not _long_integer_warned[0] and is_long_integer(gold_text):
             _long_integer_warned[0] = True
             logger.warning("MathAccuracy: a gold integer of %d digits (more than Python's int-string limit, %d) is "
@@ -219,7 +259,7 @@ class MathAccuracy(RewardFunction):
             if len(boxes) < 2 or not _is_multi_valued(gold_text):
                 return False
             joined = ", ".join(boxes)
-            if len(joined) > limit:
+            if len(joined) > limit or has_huge_power(joined):  # (only the last box was checked above)
                 return False
             return bool(math_verify.verify(gold_parsed, _parse_pred("\\boxed{" + joined + "}", joined),
                                            timeout_seconds=None))

@@ -312,6 +312,72 @@ def test_accuracy_headings_multi_boxes_unfinished_boxes(acc: MathAccuracy, compl
     assert acc([completion], [gold]) == [expected]
 
 
+# The `####` line is read as a box's content. math-verify alone took its last number, so each line below
+# scored 1 against gold 18 although its boxed twin scores 0 (a reward hack in GSM8K training).
+@pytest.mark.parametrize("line", [
+    "16, 17, 18",  # several candidates
+    "17 or 18",
+    "18 is not right",  # words beyond the value
+    "17 (not 18)",
+    "18 dollars is wrong",  # (a negation is no unit word)
+    r"\neq 18",  # a relation with no left side
+    "> 18",
+    r"$\geq 18$",
+])
+def test_hash_line_hedges_and_relations_score_zero(acc: MathAccuracy, line: str) -> None:
+    assert acc([f"9 * 2 = 18\n#### {line}"], ["18"]) == [0.0]
+    assert acc([f"\\boxed{{{line}}}"], ["18"]) == [0.0]  # as the box always did
+
+
+@pytest.mark.parametrize("completion, gold", [
+    ("#### - 5", "-5"),  # a sign apart from its number (read as 5 before)
+    ("#### +3", "3"),  # (read as nothing before)
+    ("#### 3, 4", "3, 4"),  # several values answer a gold that has several
+    (r"#### 3 \pm 2", r"3 \pm 2"),
+    (r"#### \ge 5", r"\ge 5"),  # a relation answers a gold that starts with one
+    # what worked before still does
+    ("#### 18", "18"),
+    ("#### $18", "18"),
+    ("#### 1,000", "1000"),
+    ("#### 18 dollars", "18"),
+    ("#### 18 dollars.", "18"),
+    ("#### 20 km", "20"),  # a short unit word
+    (r"#### 18 \text{ dollars}", "18"),
+    (r"#### \frac{1}{2}", "0.5"),
+    ("#### x = 18", "18"),
+    ("#### **18**", "18"),
+    ("#### Answer: 18", "18"),
+    ("#### 17\nNo wait, she sells 9 eggs.\n#### 18", "18"),  # the last `####` line wins
+    ("#### -5", "-5"),
+    ("#### $-5", "-5"),
+    ("#### -$5", "-5"),
+    ("#### 18.", "18"),  # a final period
+    ("#### 1 000", "1000"),  # a space as thousands separator, as in a box
+])
+def test_hash_line_read_as_a_box(acc: MathAccuracy, completion: str, gold: str) -> None:
+    assert acc([completion], [gold]) == [1.0]
+
+
+def test_hash_line_scored_answer() -> None:
+    """What reports show next to the verdict: the line as scored, None for a refused one."""
+    scorer = MathAccuracy()
+    assert scorer.scored_answer("#### -$5") == "-5"
+    assert scorer.scored_answer("#### 18 dollars") == "18"
+    assert scorer.scored_answer("#### 17 or 18") is None
+    assert scorer.scored_answer("#### 18\n#### 17") == "17"
+
+
+@pytest.mark.parametrize("field", ["She owes $5.\n#### -$5", "#### \u2212$5", "#### - \\$ 5", "#### $-5"])
+def test_gsm8k_gold_with_sign_and_dollar(field: str) -> None:
+    """`-$5` kept its `$` (stripped only at the ends): math-verify reads that gold as nothing, so no answer
+    matched it. The sign goes with the number (U+2212 as `-`)."""
+    gold = extract_gsm8k_gold(field)
+    assert gold == "-5"
+    assert MathAccuracy()([r"\boxed{-5}", "#### -5", r"\boxed{5}"], [gold] * 3) == [1.0, 1.0, 0.0]
+    assert extract_gsm8k_gold("#### -$1,000") == "-1000"  # and a signed amount loses its separators
+    assert extract_answer("work\n#### -$5") == "-5"  # the logged answer, cleaned the same way
+
+
 def test_the_last_box_counts_wherever_it_is(acc: MathAccuracy) -> None:
     """The box is found in the whole completion (only what math-verify parses is capped at max_chars):
     a right box then 10,500 characters of rambling is right; a wrong box is not rescued by a later bare
@@ -450,16 +516,90 @@ def test_non_string_inputs_score_zero() -> None:
     assert extract_answer(None) is None  # type: ignore[arg-type]
 
 
-def test_huge_exponent_and_earlier_timer_untouched() -> None:
-    """A timeout yields 0.0, and the SIGALRM handler is restored afterwards."""
+def test_huge_exponent_and_earlier_timer_untouched(caplog) -> None:
+    """A timeout yields 0.0, and the SIGALRM handler is restored afterwards. (`99999999!`: sympy's factorial
+    runs in Python and stops at the deadline; `9^{9^{9^{9}}}`, used here before, no longer reaches math-verify.)"""
     import signal
 
     before = signal.getsignal(signal.SIGALRM)
     start = time.monotonic()
-    assert MathAccuracy(timeout_s=0.3)([r"\boxed{9^{9^{9^{9}}}}"], ["5"]) == [0.0]
+    reward_function._warn_state["last"] = 0.0
+    with caplog.at_level(logging.WARNING):
+        assert MathAccuracy(timeout_s=0.3)([r"\boxed{99999999!}"], ["5"]) == [0.0]
+    assert "TimeoutError" in caplog.text  # the deadline, not anything else, gave the 0
     assert time.monotonic() - start < 3.0
     assert signal.getsignal(signal.SIGALRM) is before
     assert signal.getitimer(signal.ITIMER_REAL)[0] == 0.0
+
+
+# Power towers: math-verify's numeric check of `10^{10^{10^{10}}}` against `y^2` shifts a big integer by ~10^10 bits
+# in one C call (10-19 s and ~9 GB past a 2 s deadline): such answers and golds are compared as text instead.
+@pytest.mark.parametrize("completion, gold, expected", [
+    (r"\boxed{10^{10^{10^{10}}}}", "y^2", 0.0),  # measured: 10-19 s, ~9 GB
+    (r"\boxed{2^{2^{2^{35}}}}", "y^2", 0.0),  # 7.7 s, 9 GB
+    (r"\boxed{2^{2^{2^{37}}}}", "(x+1)^2", 0.0),  # asked for 16+ GB
+    (r"\boxed{10^{10^{10^{10}}}+1}", r"\frac{\sqrt3}{2}", 0.0),  # inside a sum
+    (r"\boxed{e^{10^{10^{10}}}}", "y^2", 0.0),  # e^{...} and \exp: powers of e
+    (r"\boxed{\exp(10^{10^{10}})}", "y^2", 0.0),
+    ("The answer is 2**2**2**35", "y^2", 0.0),  # math-verify reads `**` in plain text
+    ("The answer is 10^10^10^10", "y^2", 0.0),
+    ("#### 10^{10^{10^{10}}}", "y^2", 0.0),
+    ("<answer>10^{10^{10^{10}}}</answer>", "y^2", 0.0),
+    (r"\boxed{y^2}", "10^{10^{10^{10}}}", 0.0),  # a gold that is a tower is guarded too
+    (r"\boxed{10^{10^{10^{10}}}}", "10^{10^{10^{10}}}", 1.0),  # ... and matched as text,
+    (r"\boxed{10^{ 10^{10^{10}} }}", "$10^{10^{10^{10}}}$", 1.0),  # up to spaces and `$`,
+    (r"\boxed{10^{10^{10^{11}}}}", "10^{10^{10^{10}}}", 0.0),  # not as numbers
+])
+def test_power_towers_never_reach_math_verify(monkeypatch, completion: str, gold: str, expected: float) -> None:
+    """Bounded by construction: math-verify is not called at all (a deadline cannot stop its C-level shift)."""
+    calls = []
+    monkeypatch.setattr(rewards_module.math_verify, "verify", lambda *a, **k: calls.append(a) or False)
+    assert MathAccuracy().score_one(completion, gold) == expected  # (score_one: no warm-up verify call)
+    assert calls == []
+
+
+@pytest.mark.parametrize("completion, gold", [
+    (r"\boxed{2^{10}}", "1024"),
+    (r"\boxed{2^{2^{10}}}", "2^{1024}"),  # 309 digits, a real answer's size
+    (r"\boxed{10^{100}}", "10^{100}"),
+    (r"\boxed{2^{2007}}", "2^{2007}"),  # 605 digits (MATH has such answers)
+    (r"\boxed{e^{x^2}}", "e^{x^2}"),  # a symbol's power has no size to bound
+    (r"\boxed{\exp(x^2)}", "e^{x^2}"),  # equal under math-verify, not as text: math-verify compared them
+    ("#### 2^{10}", "1024"),
+])
+def test_real_powers_still_go_to_math_verify(completion: str, gold: str) -> None:
+    assert MathAccuracy()([completion], [gold]) == [1.0]
+
+
+@pytest.mark.parametrize("text, huge", [
+    ("10^{10000}", False), ("10^{10001}", True),  # the bound: 10^10000
+    ("2^{2^{13}}", False), ("2^{2^{16}}", True),  # 2467 digits; 19729 digits
+    ("2^2^2^2", False), ("2^2^2^2^2", True),  # right-associative: 2^65536, not (2^2)^... = 256
+    ("10^{10^{10^{10}}}", True), ("x^{10^{10^{10}}}", True),  # an exponent past the bound is itself one
+    ("10^{-10^{10^{10}}}", True), (r"\frac{1}{10^{10^{10^{10}}}}", True),  # signs and fractions: magnitudes
+    ("(10^{10})^{10^{10}}", True), ("{10^{10}}^{10^{10}}", True), ("9^{9^{9^{9}}}", True),
+    (r"2^\left(10^{10^{5}}\right)", True), ("2^-10^{10^{5}}", True), (r"\mathrm{e}^{10^{5}}", True),
+    (r"2^{\frac{10^{10^{10}}}{3}}", True), ("2^{(10^{10})!}", True),  # a factorial inside a power counts,
+    ("99999999!", False), ("(10^{10})!", False),  # alone it is left to the deadline (sympy loops in Python)
+    ("1e100000000000", False),  # a float's exponent is no big integer
+    (r"e^{-\frac{x^2}{2\sigma^2}}", False), ("x^{1000000}", False), (r"(1+\frac{0.05}{12})^{120}", False),
+    (r"180^\circ - (14^\circ + 90^\circ) = 76^\circ", False),  # `^\circ` is a symbol exponent, not the next number
+    ("She earns 18 dollars (9 * 2 = 18)!", False), ("", False), ("^" * 1000, False), ("{" * 100_000, False),
+])
+def test_has_huge_power(text: str, huge: bool) -> None:
+    from qerl.math_parsing import has_huge_power
+
+    assert has_huge_power(text) is huge
+
+
+def test_has_huge_power_is_one_pass_without_recursion() -> None:
+    """Deep nesting and long chains end (a stack, no recursion: 100k levels would overflow Python's) and never raise."""
+    from qerl.math_parsing import has_huge_power
+
+    assert has_huge_power("x^{" * 100_000) is False
+    assert has_huge_power("2^{" * 100_000) is True
+    assert has_huge_power("1^1!" * 100_000) is False
+    assert has_huge_power(")]}" * 10_000 + "2^{2^{10}}") is False  # stray closing brackets are separators
 
 
 # ---------------------------------------------------------------- format and sums
@@ -682,12 +822,13 @@ def test_math_accuracy_answer_tag_scores_only_the_last_answer_span():
 def test_runs_of_spaces_do_not_backtrack(completion):
     """Two optional-whitespace runs side by side in a regex split a run of spaces every way (#### $ +
     20k spaces took 51 s in the answer-line regex, in C, where no deadline reaches): all linear now."""
-    from qerl.math_parsing import strip_end_punctuation
+    from qerl.math_parsing import starts_with_relation, strip_end_punctuation
 
     start = time.monotonic()
     assert MathAccuracy(max_chars=200_000)([completion], ["5"]) == [0.0]
     extract_answer(completion)
     strip_end_punctuation("1" + " " * 100_000 + ".")
+    starts_with_relation(" " * 100_000 + "x")  # (`\s*\{?\s*`: 8 s on 40k spaces before)
     assert time.monotonic() - start < 10  # (was minutes to hours; linear: ~0.1 s)
 
 
