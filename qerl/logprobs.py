@@ -29,10 +29,13 @@ def entropy_from_logits(logits: Tensor, chunk_size: int = 512, temperature: floa
     for chunk in flat.split(chunk_size, dim=0):
         z = chunk.to(compute_dtype) / temperature  # (r, V)
         lse = torch.logsumexp(z, dim=-1, keepdim=True)  # (r, 1)
-        probs = torch.exp(z - lse)  # (r, V)
-        # zero the -inf logits *before* multiplying: 0 * -inf is NaN, in the value and in its gradient
-        z_finite = torch.where(probs > 0, z, torch.zeros((), dtype=z.dtype, device=z.device))
-        entropies.append(lse.squeeze(-1) - (probs * z_finite).sum(dim=-1))  # (r,)
+        logp = z - lse  # (r, V)
+        probs = torch.exp(logp)  # (r, V)
+        # -sum p log p, not lse - sum p z: at a low temperature z / T is large and those two nearly equal
+        # terms cancelled (25 nats off at T = 1e-3, a negative entropy logged). Zero the -inf logits
+        # *before* multiplying: 0 * -inf is NaN, in the value and in its gradient
+        logp_finite = torch.where(probs > 0, logp, torch.zeros((), dtype=z.dtype, device=z.device))
+        entropies.append(-(probs * logp_finite).sum(dim=-1))  # (r,)
     return torch.cat(entropies).view(logits.shape[:-1])
 
 
