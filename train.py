@@ -8,6 +8,7 @@ import math
 import os
 import re
 import sys
+import warnings
 
 import torch
 import yaml
@@ -108,6 +109,16 @@ def check_trainer_settings(trainer) -> None:
     if not (value > 0 and math.isfinite(value)):
         raise ValueError(f"trainer.val_check_interval must be > 0 (an int: every N training batches; or a time, "
                          f"'DD:HH:MM:SS'), got {value}")
+
+
+def warn_if_never_validated(config) -> None:
+    """Validation sets in a fit whose ``trainer.val_check_interval`` is null: Lightning then validates at
+    each epoch's end, and the prompt stream has no end, so no evaluation ever ran, without a word."""
+    trainer, data = config.get("trainer") or {}, config.get("data") or {}
+    if data.get("val_sources") and trainer.get("val_check_interval") is None and trainer.get("limit_val_batches") != 0:
+        warnings.warn("data.val_sources are set but trainer.val_check_interval is null: the prompt stream has no "
+                      "epochs, so this fit never validates; set trainer.val_check_interval to a number of "
+                      "training batches (e.g. 50)", stacklevel=2)
 
 
 def _callbacks(config) -> list:
@@ -236,6 +247,8 @@ class QeRLCLI(LightningCLI):
                                  "(lr, betas, weight_decay, warmup_ratio, schedule: cosine | linear | constant)")
         check_sections(config)
         check_trainer_settings(config.get("trainer"))
+        if subcommand in ("fit", None):  # (None: `main(run=False)`, a flat config)
+            warn_if_never_validated(config)
         check_single_callbacks(config)
 
     def _prepare_subcommand_kwargs(self, subcommand: str) -> dict:

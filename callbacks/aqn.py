@@ -66,7 +66,10 @@ class AQNCallback(L.Callback):
 
     def on_fit_start(self, trainer, pl_module) -> None:
         if pl_module.noisy_norms is None:
-            pl_module.noisy_norms = attach_noisy_norms(pl_module.model, self.module_names)
+            try:
+                pl_module.noisy_norms = attach_noisy_norms(pl_module.model, self.module_names)
+            except ValueError as err:  # (no such module, or not a norm: say which setting chose them)
+                raise ValueError(f"AQNCallback.module_names={list(self.module_names)}: {err}") from err
         pl_module.aqn_apply_to = self.apply_to
         self.monitor.max_steps = max(1, trainer.max_steps)
         staged = self.controller if getattr(self.controller, "num_stages", None) else getattr(self.controller, "base", None)

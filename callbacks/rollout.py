@@ -112,6 +112,9 @@ class RolloutCallback(L.Callback):
         if max_batch_size < 1 or not 0 <= max_refill_rounds <= 15:
             raise ValueError(f"RolloutCallback: max_batch_size must be >= 1 and max_refill_rounds in 0..15, got "
                              f"{max_batch_size} and {max_refill_rounds}")
+        if log_completions_every_n_steps < 0 or num_completions_to_log < 0:  # (-1 logged a header, or never)
+            raise ValueError(f"RolloutCallback: log_completions_every_n_steps and num_completions_to_log must be >= 0 "
+                             f"(0: no table), got {log_completions_every_n_steps} and {num_completions_to_log}")
         sampling = sampling or SamplingSettings()
         if not 0 <= overlong_buffer <= sampling.max_new_tokens:
             raise ValueError(f"RolloutCallback: overlong_buffer must be in [0, sampling.max_new_tokens="
@@ -333,13 +336,21 @@ class RolloutCallback(L.Callback):
         logger = next((lg for lg in trainer.loggers if isinstance(lg, TensorBoardLogger)), None)
         if logger is None:
             return
-        cell = lambda s: str(s).replace("|", "\\|").replace("\n", "<br>")[:1000]  # noqa: E731
         # the answer the accuracy reward compared with the gold, where there is one; else a best guess
         scorer = accuracy_reward(self.reward)
         extracted = scorer.scored_answer if scorer is not None else extract_answer
         rows = ["| prompt | completion | extracted | gold | reward |", "|---|---|---|---|---|"]
         for i in range(0, min(len(rollout.completions), self.num_to_log * self.group_size), self.group_size):
-            rows.append(f"| {cell(rollout.prompts[i])} | {cell(rollout.completions[i])} | "
-                        f"{cell(extracted(rollout.completions[i]))} | {cell(rollout.answers[i])} | "
+            rows.append(f"| {table_cell(rollout.prompts[i])} | {table_cell(rollout.completions[i])} | "
+                        f"{table_cell(extracted(rollout.completions[i]))} | {table_cell(rollout.answers[i])} | "
                         f"{float(rollout.rewards[i]):.3f} |")
         logger.experiment.add_text("completions", "\n".join(rows), global_step=step)
+
+
+def table_cell(value, limit: int = 1000) -> str:
+    """``value`` as one cell of a markdown table row in TensorBoard's text tab: backslashes escaped
+    first (MATH's ``\\|x\\|`` left a ``\\|`` that ended the cell), then pipes, and every line break
+    (also ``\\r``, which ended the row) as ``<br>``; cut at ``limit`` characters."""
+    text = str(value)[:limit]
+    text = text.replace("\\", "\\\\").replace("|", "\\|")
+    return text.replace("\r\n", "<br>").replace("\r", "<br>").replace("\n", "<br>")

@@ -334,6 +334,9 @@ def test_group_of_one_or_bad_batch_settings_fail_at_construction():
     for bad in (float("nan"), float("inf"), -5.0):  # NaN skipped every update; a negative one pays for length
         with pytest.raises(ValueError, match="overlong_penalty must be >= 0 and finite"):
             RolloutCallback(overlong_penalty=bad)
+    for bad in ({"num_completions_to_log": -1}, {"log_completions_every_n_steps": -1}):  # a header only / never
+        with pytest.raises(ValueError, match="log_completions_every_n_steps and num_completions_to_log must be >= 0"):
+            RolloutCallback(**bad)
 
 
 def test_a_resume_with_other_rollout_settings_warns():
@@ -442,3 +445,33 @@ def test_an_update_that_overflows_the_weights_stops_before_its_checkpoint(tmp_pa
     with pytest.raises(ValueError, match=r"the checkpoint holds non-finite weights \(1 of \d+ trainable tensors"):
         _tiny_fit(tmp_path, QeRLModule(model="tiny-qwen2", quantization="nvfp4", dtype="fp32"), 4,
                   ckpt_path=str(tmp_path / "nan.ckpt"))
+
+
+def test_table_cells_survive_tensorboards_markdown():
+    """The completions table as TensorBoard's text tab renders it: MATH's `\\|x\\|` ended a cell at the
+    escaped pipe and a `\\r` ended the row, so completion, answer, gold and reward went missing."""
+    import re
+
+    from tensorboard import plugin_util
+
+    from callbacks.rollout import table_cell
+
+    values = ["If $\\|x\\| = 2$ what is $\\|2x\\|$?", "line\rnext\r\nlast", "a | b", "\\frac{1}{2}\\", "x" * 2000]
+    rows = ["| text | after |", "|---|---|"] + [f"| {table_cell(v)} | end |" for v in values]
+    html = plugin_util.markdown_to_safe_html("\n".join(rows))
+    body = re.findall(r"<tr>(.*?)</tr>", html, re.S)[1:]
+    cells = [re.findall(r"<td>(.*?)</td>", row, re.S) for row in body]
+    assert [c[1] for c in cells] == ["end"] * len(values)
+    assert cells[0][0] == "If $\\|x\\| = 2$ what is $\\|2x\\|$?"
+    assert cells[1][0] == "line<br>next<br>last" and cells[2][0] == "a | b" and cells[3][0] == "\\frac{1}{2}\\"
+    assert cells[4][0] == "x" * 1000
+
+
+
+@pytest.mark.parametrize("names, reason", [(["no_such_norm"], "no module name ends with"),
+                                           (["q_proj"], "is not an RMSNorm")])
+def test_aqn_module_names_that_match_no_norm_name_the_setting(names, reason):
+    """The error said what was wrong with the modules (and "leave AQN out" for a linear), not which setting chose them."""
+    module = _module()
+    with pytest.raises(ValueError, match=rf"^AQNCallback.module_names=\['{names[0]}'\]: .*{reason}"):
+        AQNCallback(controller=ConstantNoise(0.01), module_names=names).on_fit_start(_trainer([]), module)

@@ -304,6 +304,13 @@ def test_seed_everything_outside_numpys_range_names_its_key(tmp_path, monkeypatc
         main(argv, run=False)
 
 
+def test_a_fit_that_would_never_validate_says_so(tmp_path, monkeypatch):
+    """val_check_interval null: Lightning validates at an epoch's end, which the prompt stream never reaches."""
+    monkeypatch.chdir(tmp_path)
+    with pytest.warns(UserWarning, match="trainer.val_check_interval is null: .* this fit never validates"):
+        main(fast_args(tmp_path, 1, ["--trainer.val_check_interval=null"]), run=False)
+
+
 @pytest.mark.parametrize("value", ["0", "-3", ".nan", ".inf"])
 def test_a_val_check_interval_lightning_divides_by_fails_before_the_run(tmp_path, monkeypatch, value):
     """0 ran a training step, then a ZeroDivisionError from Lightning's loop."""
