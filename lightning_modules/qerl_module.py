@@ -288,9 +288,8 @@ class QeRLModule(PolicyForwardMixin, ResumeMixin, EvaluationMixin, StepMetricsMi
                 loss, metrics = policy_loss(
                     logprobs, old, advantages[mb], loss_mask[mb], clip_low=s.clip_low, clip_high=s.clip_high,
                     dual_clip=s.dual_clip, aggregation=s.aggregation, ratio_level=s.ratio_level,
-                    is_weights=is_weights,
-                    ref_logprobs=None if ref_logprobs is None else ref_logprobs[mb], kl_coef=s.kl_coef,
-                    entropy=entropy, entropy_coef=s.entropy_coef, max_completion_length=rollout.max_new_tokens,
+                    is_weights=is_weights, ref_logprobs=None if ref_logprobs is None else ref_logprobs[mb],
+                    kl_coef=s.kl_coef, kl_estimator=s.kl_estimator, entropy=entropy, entropy_coef=s.entropy_coef, max_completion_length=rollout.max_new_tokens,
                     num_tokens_total=num_tokens, num_sequences_total=N,
                 )
                 if s.aggregation == "bnpo":  # a local token mean: average over micro-batches

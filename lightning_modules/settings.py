@@ -28,7 +28,10 @@ class LossSettings:
             null (default, as TRL and the QeRL code) leaves the plain clipped surrogate.
         ratio_level: token (PPO/GRPO) or sequence (GSPO: one length-normalised ratio per completion,
             clipped as a whole; use GSPO's tight clips, e.g. clip_low 3e-4 and clip_high 4e-4).
-        kl_coef: weight of the k3 KL to the reference (adapter disabled, no noise); 0 skips that pass.
+        kl_coef: weight of the KL to the reference (adapter disabled, no noise); 0 skips that pass.
+        kl_estimator: the per-token KL estimate (Schulman's; verl's kl_loss_type): k3 (default, GRPO's:
+            unbiased, >= 0, capped at 10 per token), k2 ((lp - ref)^2 / 2: its gradient is the reverse-KL
+            gradient on-policy) or k1 (lp - ref: its gradient averages to zero on-policy).
         entropy_coef: weight of an entropy bonus (verl's entropy_coeff; the classic alternative to
             AQN for keeping exploration up): minus entropy_coef x token entropy, aggregated like the
             loss. 0 (default) keeps the entropy a logged, detached metric; > 0 backpropagates through
@@ -61,6 +64,7 @@ class LossSettings:
     dual_clip: float | None = None
     ratio_level: Literal["token", "sequence"] = "token"
     kl_coef: float = 0.0
+    kl_estimator: Literal["k1", "k2", "k3"] = "k3"
     entropy_coef: float = 0.0
     updates_per_rollout: int = 1
     micro_batch_size: int = 8
@@ -99,7 +103,7 @@ class LossSettings:
 
 
 _CHOICES = {key: typing.get_args(typing.get_type_hints(LossSettings)[key])
-            for key in ("advantage_scale", "aggregation", "ratio_level", "tis_level", "tis_mode")}
+            for key in ("advantage_scale", "aggregation", "ratio_level", "kl_estimator", "tis_level", "tis_mode")}
 
 
 @dataclass

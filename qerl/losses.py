@@ -152,6 +152,28 @@ def k3_kl(logprobs: Tensor, ref_logprobs: Tensor) -> Tensor:
     return (torch.exp(log_ratio) - log_ratio - 1.0).clamp(max=K3_KL_CAP)
 
 
+KLEstimator = Literal["k1", "k2", "k3"]
+
+
+def kl_penalty(logprobs: Tensor, ref_logprobs: Tensor, estimator: KLEstimator = "k3") -> Tensor:
+    """Per-token estimate of KL(pi || pi_ref) from the sampled tokens' log-probs.   (N, T)
+
+    k1 = lp - ref (unbiased value, but its gradient has mean zero on-policy: as a loss it does not
+    pull towards the reference), k2 = (lp - ref)^2 / 2 (biased value; its gradient is the true reverse-KL
+    gradient for on-policy samples), k3 = `k3_kl` (unbiased value, >= 0, low variance; GRPO's and the
+    default; its gradient is that of KL(pi_ref || pi) on-policy). Schulman's "Approximating KL
+    divergence" names them; verl offers the same three as kl_loss_type.
+    """
+    if estimator == "k3":
+        return k3_kl(logprobs, ref_logprobs)
+    log_ratio = logprobs - ref_logprobs  # (N, T)
+    if estimator == "k2":
+        return 0.5 * log_ratio.square()
+    if estimator == "k1":
+        return log_ratio
+    raise ValueError(f"kl_penalty: estimator must be 'k1', 'k2' or 'k3', got {estimator!r}")
+
+
 def truncated_is_weights(
     old_logprobs: Tensor,
     sampler_logprobs: Tensor,
@@ -282,6 +304,7 @@ def policy_loss(
     is_weights: Tensor | None = None,
     ref_logprobs: Tensor | None = None,
     kl_coef: float = 0.0,
+    kl_estimator: KLEstimator = "k3",
     entropy: Tensor | None = None,
     entropy_coef: float = 0.0,
     max_completion_length: int | None = None,
@@ -309,7 +332,7 @@ def policy_loss(
         (`entropy_from_logits` on the live logits); with entropy_coef > 0 an entropy bonus
         (verl's entropy_coeff) is subtracted per token, aggregated like the rest.
 
-    per-token loss = -min(r * A, clip(r, 1 - clip_low, 1 + clip_high) * A) [* w] [+ kl_coef * k3]
+    per-token loss = -min(r * A, clip(r, 1 - clip_low, 1 + clip_high) * A) [* w] [+ kl_coef * KL]
                      [- entropy_coef * H],
     with r = exp(logprobs - old_logprobs), then `aggregate_loss(..., aggregation, ...)`.
     A clipped token has a constant surrogate, hence zero gradient: the update can't push the ratio
@@ -320,7 +343,8 @@ def policy_loss(
       clip_ratio/low  fraction with r < 1 - clip_low and A < 0 (the lower clip is active),
       clip_ratio/high fraction with r > 1 + clip_high and A > 0, clip_ratio/region either,
       clip_ratio/dual fraction with A < 0 held at -c * A by the dual clip (0 without it),
-      kl              mean k3 (logged whenever ref_logprobs is given, even at kl_coef 0; else 0),
+      kl              mean of the `kl_estimator` (k3 by default; logged whenever ref_logprobs is given,
+                      even at kl_coef 0; else 0),
       ratio/mean      mean r.
     """
     if old_logprobs is None:
@@ -354,7 +378,7 @@ def policy_loss(
 
     kl = None
     if ref_logprobs is not None:
-        kl = k3_kl(logprobs, ref_logprobs)  # (N, T)
+        kl = kl_penalty(logprobs, ref_logprobs, kl_estimator)  # (N, T)
         if kl_coef > 0.0:
             per_token = per_token + kl_coef * kl
     if entropy_coef > 0.0:

@@ -14,6 +14,7 @@ from qerl.losses import (
     groups_with_signal,
     K3_KL_CAP,
     k3_kl,
+    kl_penalty,
     masked_mean,
     overlong_penalty,
     policy_loss,
@@ -118,6 +119,21 @@ def test_k3_matches_formula_and_is_nonnegative():
     g = torch.Generator().manual_seed(0)
     a, b = torch.randn(64, 32, generator=g), torch.randn(64, 32, generator=g)
     assert (k3_kl(a, b) >= 0).all()
+
+
+def test_kl_estimators_values_and_gradients():
+    # lp - ref = [0.5, -1.0]: k1 = [0.5, -1], k2 = [0.125, 0.5], k3 = e^-0.5 + 0.5 - 1, e^1 - 1 - 1
+    # d/dlp: k1 1, k2 (lp - ref) = [0.5, -1], k3 1 - e^(ref - lp) = [0.39346934, -1.71828183]
+    ref = t([[-1.5, -1.0]])
+    for estimator, value, grad in [("k1", [0.5, -1.0], [1.0, 1.0]), ("k2", [0.125, 0.5], [0.5, -1.0]),
+                                   ("k3", [0.10653066, 0.71828183], [0.39346934, -1.71828183])]:
+        lp = t([[-1.0, -2.0]]).requires_grad_()
+        kl = kl_penalty(lp, ref, estimator)
+        assert_close(kl, t([value]))
+        kl.sum().backward()
+        assert_close(lp.grad, t([grad]))
+    with pytest.raises(ValueError, match="estimator must be"):
+        kl_penalty(lp, ref, "k4")
 
 
 def test_k3_is_capped_so_one_far_token_does_not_make_the_loss_inf():

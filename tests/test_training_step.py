@@ -262,6 +262,17 @@ def test_updates_per_rollout_makes_k_optimizer_steps_per_rollout(policy, mismatc
     assert run.trainer.lr_scheduler_configs[0].scheduler.last_epoch == 2 * K  # one scheduler step per update
 
 
+def test_the_kl_estimator_reaches_the_update(policy, mismatched, tmp_path):
+    """kl_estimator k2 vs the default k3: another logged KL and another update, both finite; the KL
+    term is the only difference (k1's on-policy gradient averages to zero, so it is checked for a value)."""
+    kw = dict(updates_per_rollout=2, micro_batch_size=4, kl_coef=0.5)
+    runs = {e: fit(policy, mismatched, tmp_path / e, kl_estimator=e, **kw) for e in ("k1", "k2", "k3")}
+    for e, run in runs.items():
+        assert math.isfinite(run.logged["train/kl"]) and math.isfinite(run.logged["train/loss"]), e
+    assert runs["k2"].logged["train/kl"] != runs["k3"].logged["train/kl"]
+    assert max_diff(runs["k2"].after, runs["k3"].after) > 0
+
+
 def test_a_skipped_update_logs_no_partial_values(policy, mismatched, tmp_path):
     """A NaN reward in the second micro-batch skips both updates: the weights stay, the update
     scalars are NaN (not the first micro-batch's share, which looked like a small real loss), and
@@ -572,6 +583,11 @@ def test_non_finite_loss_settings_fail_at_construction(key, value):
         return
     with pytest.raises(ValueError, match=f"model.loss.{key} must be"):
         LossSettings(**{key: value})
+
+
+def test_an_unknown_kl_estimator_is_refused():
+    with pytest.raises(ValueError, match="model.loss.kl_estimator must be one of k1, k2, k3"):
+        LossSettings(kl_estimator="k4")
 
 
 def test_dual_clip_must_exceed_one():
