@@ -28,6 +28,7 @@ from qerl.rewards import MathAccuracy, RewardFunction, accuracy_reward, extract_
 from qerl.rollout import Rollout, RolloutEngine, SamplingSettings, pad_left, pad_right, stop_token_ids
 from qerl.rollout.hf import HFEngine, check_adapter_dtype
 from qerl.rollout.vllm import VLLMSettings  # settings only: vllm itself is imported when the engine starts
+from qerl.rollout.vllm_conversions import check_vllm_temperature
 from qerl.seeding import resolve_seed, warn_if_seed_changed
 
 
@@ -169,6 +170,10 @@ class RolloutCallback(L.Callback):
         if "vllm" not in sys.modules and importlib.util.find_spec("vllm") is None:
             raise ModuleNotFoundError("rollout engine 'vllm' needs vLLM (CUDA): pip install -e '.[vllm]' "
                                       "(or use engine: hf)")
+        evaluation = getattr(pl_module, "eval_settings", None)
+        check_vllm_temperature(self.sampling.temperature, "RolloutCallback.sampling.temperature")
+        if evaluation is not None and evaluation.engine == "rollout" and evaluation.samples > 0:
+            check_vllm_temperature(evaluation.temperature, "model.eval.temperature")
         data, limit = trainer.datamodule, self.vllm.max_model_len
         if limit is None or data is None:
             return
@@ -176,7 +181,6 @@ class RolloutCallback(L.Callback):
         # data.max_prompt_length; evaluation ones are measured (the val sets are loaded by now)
         checks = [(getattr(data, "max_prompt_length", None), "data.max_prompt_length",
                    self.sampling.max_new_tokens, "sampling.max_new_tokens")]
-        evaluation = getattr(pl_module, "eval_settings", None)
         if evaluation is not None and evaluation.engine == "rollout" and hasattr(data, "longest_prompt"):
             checks.append((data.longest_prompt("eval"), "the longest val prompt",  # evaluation runs in this vLLM
                            evaluation.max_new_tokens, "model.eval.max_new_tokens"))

@@ -20,7 +20,7 @@ from lightning_modules.evaluation import EvalSettings
 from qerl.aqn import attach_noisy_norms
 from qerl.model import LoraSettings, load_policy
 from qerl.rollout import SamplingSettings
-from qerl.rollout.base import derive_seed
+from qerl.rollout.base import NonFiniteLogits, derive_seed
 from qerl.rollout.vllm import (
     VLLMEngine, VLLMSettings, adapter_config, adapter_tensors, allowed_lora_rank, hf_to_vllm_norm_name,
     outputs_to_generation, sampling_params_kwargs,
@@ -110,6 +110,10 @@ def test_outputs_to_generation_prompt_major():
     with pytest.raises(ValueError, match="logprobs"):
         bare = SimpleNamespace(index=0, token_ids=[1], logprobs=None, finish_reason="stop")
         outputs_to_generation([SimpleNamespace(outputs=[bare])])
+    # vLLM samples a token from NaN logits anyway (its NaN count is off by default): the log-prob says so
+    for bad in (float("nan"), float("-inf")):
+        with pytest.raises(NonFiniteLogits, match="non-finite logits"):
+            outputs_to_generation([SimpleNamespace(outputs=[_co(0, [5, 2], [-1.0, bad])])])
 
 
 def test_sampling_params_kwargs():
@@ -395,6 +399,19 @@ def test_callback_checks_the_vllm_setup_at_fit_start(monkeypatch):
     monkeypatch.setattr(cb, "make_engine", lambda pl_module: "engine")
     cb.on_fit_start(trainer, module)
     assert cb.engine == "engine"
+    # vLLM raises a temperature below 0.01 to 0.01 (the trainer would divide by the configured one) and
+    # refuses one above 2 at the first request: both named at fit start, training's and evaluation's
+    cb.engine = None
+    for temperature, problem in ((0.005, "raise it to 0.01"), (2.5, "refuse it")):
+        cb.sampling = SamplingSettings(max_new_tokens=100, temperature=temperature)
+        with pytest.raises(ValueError, match=rf"RolloutCallback.sampling.temperature={temperature}: .*{problem}"):
+            cb.on_fit_start(trainer, module)
+    cb.sampling = SamplingSettings(max_new_tokens=100)
+    module.eval_settings = EvalSettings(max_new_tokens=100, samples=4, temperature=0.005)  # in this vLLM
+    with pytest.raises(ValueError, match=r"model.eval.temperature=0.005: "):
+        cb.on_fit_start(trainer, module)
+    module.eval_settings.engine = "hf"
+    cb.on_fit_start(trainer, module)
 
 
 def _vllm_config(tmp_path, steps, *extra):

@@ -6,12 +6,13 @@ vLLM loads them, ``SamplingSettings`` as ``SamplingParams`` arguments, and vLLM'
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
 from torch import nn
 
-from qerl.rollout.base import Generation, SamplingSettings
+from qerl.rollout.base import Generation, NonFiniteLogits, SamplingSettings
 
 ALLOWED_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # vllm/config/lora.py MaxLoRARanks
 _PEFT_PREFIX = "base_model.model."
@@ -73,6 +74,21 @@ def adapter_config(peft_model: nn.Module) -> dict[str, Any]:
             "target_modules": sorted(targets) if isinstance(targets, (set, list, tuple)) else targets}
 
 
+# vLLM 0.25's SamplingParams raises a temperature in (0, 0.01) to 0.01 with only a log line, and refuses
+# one above 2 at the first request: the first would sample (and report log-probs) at another temperature
+# than the trainer divides by, the second would fail after the export and the engine start.
+VLLM_TEMPERATURES = (1e-2, 2.0)
+
+
+def check_vllm_temperature(temperature: float, name: str) -> None:
+    """A ValueError naming ``name`` when vLLM would not sample at ``temperature`` (0: greedy, fine)."""
+    low, high = VLLM_TEMPERATURES
+    if temperature > 0 and not low <= temperature <= high:
+        raise ValueError(f"{name}={temperature}: vLLM samples at temperatures in [{low}, {high}] (or 0, greedy); it "
+                         f"would {'raise it to ' + str(low) if temperature < low else 'refuse it'}, and the trainer "
+                         "divides the logits by the configured one (use engine: hf for such a temperature)")
+
+
 def sampling_params_kwargs(sampling: SamplingSettings, n: int) -> dict[str, Any]:
     """``SamplingParams`` keyword arguments but the per-request seed. Greedy (temperature <= 0)
     returns ``n=1`` (vLLM refuses n > 1 when greedy; the caller repeats the prompt). ``logprobs=0``:
@@ -94,7 +110,11 @@ def outputs_to_generation(request_outputs) -> Generation:
                 raise ValueError("vLLM returned no per-token logprobs (SamplingParams.logprobs must be 0)")
             if co.finish_reason not in ("stop", "length"):
                 raise RuntimeError(f"vLLM finished a completion with {co.finish_reason!r}")
+            logprobs = [float(pos[t].logprob) for t, pos in zip(ids, co.logprobs)]
+            if not all(map(math.isfinite, logprobs)):  # a sampled token's log-prob is finite unless the logits are not
+                raise NonFiniteLogits("vLLM sampled from non-finite logits: the policy's weights or the AQN noise "
+                                      "hold NaN / inf, or overflow")
             gen.completion_ids.append(ids)
-            gen.sampler_logprobs.append([float(pos[t].logprob) for t, pos in zip(ids, co.logprobs)])
+            gen.sampler_logprobs.append(logprobs)
             gen.finish_reasons.append(co.finish_reason)
     return gen
