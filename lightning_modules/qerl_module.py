@@ -1,4 +1,4 @@
-"""QeRLModule: GRPO / DAPO / Dr.GRPO on a frozen (NVFP4 or bf16) base with LoRA, manual optimization.
+"""QeRLModule: GRPO / DAPO / Dr.GRPO on a frozen (NVFP4, NF4 or bf16) base with LoRA, manual optimization.
 
 One ``training_step`` per rollout batch. The ``RolloutCallback`` has already generated and scored
 ``G`` completions per prompt and attached them as ``batch["rollout"]``; the step then reads top to
@@ -52,7 +52,7 @@ log = logging.getLogger(__name__)
 
 
 class QeRLModule(PolicyForwardMixin, ResumeMixin, EvaluationMixin, StepMetricsMixin, L.LightningModule):
-    """The policy (frozen NVFP4/bf16 base + LoRA) and the RL update.
+    """The policy (frozen NVFP4/NF4/bf16 base + LoRA) and the RL update.
 
     Args:
         model: tiny-qwen2 | tiny-llama (built in code), a local directory, a Hugging Face id, or a .gguf file.
