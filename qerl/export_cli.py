@@ -90,6 +90,10 @@ def _check_paths(parser: argparse.ArgumentParser, args: argparse.Namespace) -> N
     if foreign:  # (a run's log folder, say: its adapter/ would go with the export's)
         parser.error(f"--out {args.out} holds files no export writes ({', '.join(foreign[:3])}"
                      f"{', ...' if len(foreign) > 3 else ''}): --overwrite replaces only an earlier export")
+    if out.is_dir() and any(out.iterdir()) and not (out / EXPORT_RECORD).is_file():
+        # a model folder holds only names an export writes too (config.json, model.safetensors, ...)
+        parser.error(f"--out {args.out} has no {EXPORT_RECORD}: not a folder qerl exported (a downloaded model?), "
+                     "and --overwrite replaces only those (an export older than that file: delete it yourself)")
     if args.adapter and not is_ckpt:
         try:  # (its config, and the LoRA tensors beside it: without them peft would look on the hub)
             check_adapter_dir(args.adapter)
@@ -117,13 +121,16 @@ def _check_device(parser: argparse.ArgumentParser, device: str) -> None:
         parser.error(f"--device {device}, but this machine has {torch.cuda.device_count()} CUDA device(s)")
 
 
+# Every export's record of what wrote it (format, model, adapter): --overwrite replaces only a folder with one.
+EXPORT_RECORD = "qerl_export.json"
 # What an export writes, all of which --overwrite replaces: the checkpoint, its config and tokenizer,
 # the adapter (in adapter/, or at the top with --format adapter) and what qerl writes beside it.
 _EXPORT_FILE = re.compile(
     r"model(-\d+-of-\d+)?\.safetensors|model\.safetensors\.index\.json|(generation_)?config\.json"
     r"|tokenizer(_config)?\.json|tokenizer\.model|special_tokens_map\.json|vocab\.json|merges\.txt"
     r"|added_tokens\.json|chat_template\.jinja|adapter_config\.json|adapter_model\.safetensors"
-    rf"|{re.escape(TRAINABLE_NORMS_FILE)}|{re.escape(BASE_FILE)}|{re.escape(DEQUANTIZED_BASE_FILE)}")
+    rf"|{re.escape(TRAINABLE_NORMS_FILE)}|{re.escape(BASE_FILE)}|{re.escape(DEQUANTIZED_BASE_FILE)}"
+    rf"|{re.escape(EXPORT_RECORD)}")
 # ... and its folders with what they hold: the adapter (peft adds a README.md there), and the named
 # chat templates transformers 5 writes beside a tokenizer that has several
 _EXPORT_DIRS = {
@@ -161,6 +168,13 @@ def _clear_earlier_export(out: Path) -> None:
     for path in out.iterdir() if out.is_dir() else []:
         if _written_by_export(path):
             shutil.rmtree(path) if path.is_dir() else path.unlink()
+
+
+def _write_export_record(folder: Path, args: argparse.Namespace) -> None:
+    """:data:`EXPORT_RECORD` in ``folder``: what this export is and what it came from."""
+    record = {"format": args.format, "model": args.model, "adapter": args.adapter, "dtype": args.dtype,
+              "from_nvfp4": args.from_nvfp4, "from_trained_base": args.from_trained_base}
+    (folder / EXPORT_RECORD).write_text(json.dumps(record, indent=1) + "\n")
 
 
 def _replace_export(out: Path, write) -> Path:
@@ -313,7 +327,11 @@ def main(argv: list[str] | None = None) -> Path:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     _check_paths(parser, args)
     if args.format == "adapter":
-        out = _replace_export(Path(args.out), lambda tmp: _checkpoint_adapter(parser, args.adapter, tmp))
+        def write_adapter(tmp: Path) -> None:
+            _checkpoint_adapter(parser, args.adapter, tmp)
+            _write_export_record(tmp, args)
+
+        out = _replace_export(Path(args.out), write_adapter)
         print(out)
         return out
     ckpt = _read_checkpoint(parser, args.adapter) if str(args.adapter or "").endswith(".ckpt") else None  # (once)
@@ -340,6 +358,7 @@ def main(argv: list[str] | None = None) -> Path:
 
     def write(tmp: Path) -> None:
         export(model, tokenizer, tmp, dtype=args.dtype)
+        _write_export_record(tmp, args)
         if args.format == "bf16" and (args.from_trained_base or at_home) and not args.from_nvfp4:  # that base:
             # an adapter trained on it is at home here
             write_dequantized_base(tmp, dequantized_from or {"model": args.model, "dtype": base_dtype, "seed": seed,

@@ -468,6 +468,15 @@ def test_cli_refuses_to_clobber(tmp_path, capsys):
     with pytest.raises(SystemExit):
         main(["--model", str(src), "--out", str(tmp_path / "old")])
     assert "--overwrite" in capsys.readouterr().err
+    # a model folder (config.json, model.safetensors: names an export writes too) is not an export: refused
+    with pytest.raises(SystemExit):
+        main(["--model", "tiny-qwen2", "--out", str(src), "--overwrite"])
+    assert "has no qerl_export.json: not a folder qerl exported" in capsys.readouterr().err
+    assert (src / "model.safetensors").read_bytes() == before
+    with pytest.raises(SystemExit):  # (the stale adapter/ alone is no export either)
+        main(["--model", str(src), "--out", str(tmp_path / "old"), "--overwrite"])
+    assert "has no qerl_export.json" in capsys.readouterr().err
+    (tmp_path / "old" / "qerl_export.json").write_text("{}")  # an earlier export, as every export records itself
     main(["--model", str(src), "--out", str(tmp_path / "old"), "--overwrite"])
     assert not (tmp_path / "old" / ADAPTER_SUBDIR).exists() and (tmp_path / "old" / "model.safetensors").exists()
     # --overwrite replaces only an earlier export: a run's log folder (events file, its adapter/) is refused
@@ -483,12 +492,12 @@ def test_cli_refuses_to_clobber(tmp_path, capsys):
     for name in ("adapter_config.json", "adapter_model.safetensors", "qerl_base.json"):
         (tmp_path / "old" / name).write_text("{}")
     main(["--model", str(src), "--out", str(tmp_path / "old"), "--overwrite"])
-    assert sorted(p.name for p in (tmp_path / "old").iterdir()) == sorted(p.name for p in src.iterdir())
+    assert sorted(p.name for p in (tmp_path / "old").iterdir()) == sorted([*(p.name for p in src.iterdir()), "qerl_export.json"])
     # an export that fails (an unreadable checkpoint) leaves the earlier one as it was
     (tmp_path / "bad.ckpt").write_text("not a checkpoint")
     with pytest.raises(SystemExit):
         main(["--format", "adapter", "--adapter", str(tmp_path / "bad.ckpt"), "--out", str(tmp_path / "old"), "--overwrite"])
-    assert sorted(p.name for p in (tmp_path / "old").iterdir()) == sorted(p.name for p in src.iterdir())
+    assert sorted(p.name for p in (tmp_path / "old").iterdir()) == sorted([*(p.name for p in src.iterdir()), "qerl_export.json"])
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".old.")]   # no half-written folder left
     with pytest.raises(SystemExit):
         main(["--model", str(tmp_path / "missing-model"), "--out", str(tmp_path / "y")])
