@@ -170,20 +170,68 @@ def hash_answer(text: str) -> str | None:
 # side of the mandatory `$` (no two optional runs side by side: see `_SIGN_AND_DOLLAR`).
 _SIGN_THEN_DOLLAR_RE = re.compile(r"([-+])[ \t]*\\?\$[ \t]*")
 _SIGN_THEN_SPACE_RE = re.compile(r"([-+])[ \t]+")  # `- 5`: a sign apart from its number
-_FINAL_PERIOD_RE = re.compile(r"(?<=\d)\.$")  # `18.` (not `0.33..`, which ends after a point)
+# Markdown emphasis inside the line (`**18** dollars`, `18 **dollars**`): a `**`/`__` after the start, a blank or an
+# opening bracket, or before the end, a blank, a closing bracket or a sentence mark; `2**10` (a power) is left alone.
+_EMPHASIS_RE = re.compile(r"(?<![^\s(\[])(?:\*\*|__)|(?:\*\*|__)(?![^\s.,;:!?)\]])")
+_EMOTICONS = (":)", ":-)", ":(", ":-(", ";)", ";-)", ":D", ":-D", ":P", ":p", "=)")
+# Words that deny or hedge a `####` line's value (`71 or 72`, `72 is not correct`, `17 (not 18)`, `18 dollars is
+# wrong`, `isn't`): math-verify would still read the line's last number. A deny-list of its own, not
+# `math_parsing._NOT_UNITS`, whose trig, comparison and magnitude words (`18 sec`, `3 more`, `5 times`) follow
+# real GSM8K answers, which 631ba22 scored by their number.
+_HEDGE_RE = re.compile(r"(?<![A-Za-z])(?:or|nor|not|never|neither|wrong|incorrect|false|maybe|perhaps|possibly|unsure)"
+                       r"(?![A-Za-z])|n['\u2019]t(?![A-Za-z])", re.IGNORECASE)
+
+
+def _trailing_mark(line: str, end: int) -> int:
+    """The length of the punctuation that ``line[:end]`` ends with (`strip_trailing_marks`), 0 for none."""
+    for emoticon in _EMOTICONS:
+        start = end - len(emoticon)
+        if line.endswith(emoticon, 0, end) and start > 0 and line[start - 1].isspace():
+            return len(emoticon)
+    dots = 3 if line.endswith("...", 0, end) else 1 if line.endswith("\u2026", 0, end) else 0
+    if dots:  # after a blank, not after a comma: `18 ...` (not `0.33...`, 1/3, nor `18, ...`, a sequence)
+        blank = end - dots
+        while blank and line[blank - 1].isspace():
+            blank -= 1
+        return dots if blank < end - dots and blank and line[blank - 1] != "," else 0
+    return 1 if end and line[end - 1] in ".,;:!?" else 0
+
+
+def strip_trailing_marks(line: str) -> str:
+    """``line`` without the punctuation after its answer, blanks included: sentence marks (``72?``, ``72 clips!``,
+    ``18,``, ``1,234,``, ``18.``), an ellipsis after a blank (``18 ...``) and an emoticon after a blank (``72 :)``).
+    An ellipsis right after a digit or a comma stays (``0.33...`` is 1/3, ``18, ...`` a sequence), as in a box
+    (`qerl.math_parsing.strip_end_punctuation`). Linear: a backward scan (each blank is read at most twice)."""
+    end = len(line)
+    while True:
+        cut = end
+        while cut and line[cut - 1].isspace():
+            cut -= 1
+        mark = _trailing_mark(line, cut)
+        if not mark:
+            return line[:cut]
+        end = cut - mark
+
+
+def hash_line_hedges(line: str) -> bool:
+    """Whether a ``####`` answer line denies or hedges its value (``71 or 72``, ``18 is not right``, ``17 (not
+    18)``, ``18 dollars is wrong``): such a line answers nothing (see `_HEDGE_RE`)."""
+    return _HEDGE_RE.search(line) is not None
 
 
 def clean_hash_answer(line: str) -> str:
-    """A ``####`` answer line (`hash_answer`) as a box's content: ``$`` and ``\\$`` removed (math-verify reads
-    ``-$5`` as nothing), a sign joined to its number (``- 5``, ``-$5`` → ``-5``; ``+3`` → ``3``) and a final
-    period after a digit dropped (``18.``). Linear time."""
-    line = line.replace("\\$", "").replace("$", "").strip()
+    """A ``####`` answer line (`hash_answer`) with what is no part of its value removed: markdown emphasis
+    (``**18** dollars``), ``$`` and ``\\$`` (math-verify reads ``-$5`` as nothing), trailing sentence marks,
+    ellipsis and emoticons (`strip_trailing_marks`: ``72?``, ``18,``, ``72 :)``), and a sign joined to its number
+    (``- 5``, ``-$5`` → ``-5``; ``+3`` → ``3``). Linear time."""
+    line = _EMPHASIS_RE.sub("", line).replace("\\$", "").replace("$", "")
+    line = strip_trailing_marks(line).strip()
     sign = _SIGN_THEN_SPACE_RE.match(line)
     if sign is not None:
         line = sign.group(1) + line[sign.end():]
     if line.startswith("+"):  # (a plus sign says nothing; `\boxed{+3}` only happens to read as 3)
         line = line[1:].lstrip()
-    return _FINAL_PERIOD_RE.sub("", line)
+    return line
 
 
 def normalize_minus(text: str) -> str:

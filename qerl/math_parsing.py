@@ -14,7 +14,7 @@ from functools import lru_cache
 import math_verify
 from sympy import Basic, MatrixBase
 
-from qerl.answers import _BOX_RE, clean_hash_answer, starts_with_relation  # noqa: F401 (re-exported)
+from qerl.answers import _BOX_RE, starts_with_relation  # noqa: F401 (re-exported)
 
 
 @lru_cache(maxsize=4096)
@@ -88,25 +88,36 @@ def _is_multi_valued(gold: str) -> bool:
     return False
 
 
-# A `####` line's number then unit words: as `_BARE_NUMBER_UNITS_RE`, and a first word of one or two letters
-# if it is a common unit (`20 km`, `5 m`, `3 h`): a `####` line holds a number, rarely algebra (`3 x`).
-_SHORT_UNITS = frozenset("m cm mm km g kg mg h hr s ms l L ml mL ft in yd mi lb oz".split())
-_HASH_NUMBER_UNITS_RE = re.compile(r"([-+]?(?:\d[\d,]*(?:\.\d+)?|\.\d+))\s+([A-Za-z]+)([A-Za-z\s.]*)")
+# A `####` line's values are told apart by a comma or semicolon outside brackets (not a thousands separator) or the
+# word `and`; a part is a value if it holds a digit, a `\frac`, a fraction word (`72 and a half` is 72.5, not 72) or
+# an ellipsis (`18, ...` is a sequence, as in a box).
+_VALUE_SEPARATOR_RE = re.compile(r"\\[{}]|[([{)\]}]|[,;]|(?<![A-Za-z])and(?![A-Za-z])")
+_VALUE_RE = re.compile(r"\d|\\[dt]?frac|\.\.\.|\u2026|\\[lc]?dots|(?<![A-Za-z])(?:an?|one|two|three)\s+"
+                       r"(?:half|halves|thirds?|quarters?)(?![A-Za-z])", re.IGNORECASE)
+_DECIMAL_COMMA_RE = re.compile(r"[-+]?\d+,\d{1,2}")  # `12,5`: one number to math-verify (12.5), as it was in 631ba22
 
 
-def hash_answer_content(line: str) -> str | None:
-    """A ``####`` answer line (`qerl.answers.hash_answer`) as the content of a box: ``$`` removed and a sign
-    joined to its number (`clean_hash_answer`), its number alone when unit words follow it (``18 dollars``,
-    ``20 km`` → ``18``, ``20``), else the line if it is maths alone (`is_bare_math`: ``\\frac{1}{2}``,
-    ``16, 17, 18``, ``\\neq 18``, which the caller refuses as it would those boxes). None for a line with
-    other words beyond its value (``17 or 18``, ``18 is not right``, ``17 (not 18)``): math-verify reads
-    such a line's last number, so those scored as 18."""
-    line = _SPACE_SEP_RE.sub("", clean_hash_answer(line))
-    m = _HASH_NUMBER_UNITS_RE.fullmatch(line)
-    if m is not None and (len(m.group(2)) >= 3 or m.group(2) in _SHORT_UNITS):
-        words = re.findall(r"[A-Za-z]+", m.group(2) + m.group(3))
-        return None if any(w.lower() in _NOT_UNITS for w in words) else m.group(1)
-    return line if line and is_bare_math(line) else None
+def lists_several_values(line: str) -> bool:
+    """Whether a cleaned ``####`` line (`qerl.answers.clean_hash_answer`) lists several values: ``16, 17, 18``,
+    ``72; 73``, ``3 and 4``, ``72 and a half``, ``3 \\pm 2``. Not ``1,234`` (thousands), ``(1, 2)`` (one tuple),
+    ``72 clips, which is the answer`` (one value) nor ``12,5`` (a decimal comma); ``18, ...`` (a sequence) is.
+    Linear time."""
+    if _PM_RE.search(line):
+        return True
+    if _DECIMAL_COMMA_RE.fullmatch(line):
+        return False
+    text = _THOUSANDS_COMMA_RE.sub("", line)
+    depth, start, values = 0, 0, 0
+    for m in _VALUE_SEPARATOR_RE.finditer(text):
+        token = m.group()
+        if token in ("(", "[", "{", "\\{"):
+            depth += 1
+        elif token in (")", "]", "}", "\\}"):
+            depth -= 1
+        elif depth <= 0:
+            values += _VALUE_RE.search(text, start, m.start()) is not None
+            start = m.end()
+    return values + (_VALUE_RE.search(text, start) is not None) > 1
 
 
 def _text_number(boxed: str) -> str | None:
@@ -165,7 +176,10 @@ def _parse_cached(text: str, boxed: str | None) -> tuple:
     is parsed again without it. Only these: ``$5+$`` or ``$5 \\le$`` also parse to 5, and an
     unfinished box is not the number.
     A number in ``\\text{}`` with units (``\\text{18 dollars}``, a symbol ``18dollars`` to
-    math-verify) adds ``$18$`` likewise. A ``####`` line comes here boxed (`hash_answer_content`).
+    math-verify) adds ``$18$`` likewise, and a number with a percent sign (``12.5\\%``) adds the number:
+    math-verify matches ``9\\%`` with 9 (integers) but reads ``12.5\\%`` only as 0.125, which the docstring of
+    `qerl.rewards.MathAccuracy` promises to match with 12.5 as ``5\\%`` is with 5 (0.125 still matches too).
+    A ``####`` line comes here boxed when it is maths alone (`parse_hash_line`).
     """
     if boxed is None:
         return tuple(math_verify.parse(text, parsing_timeout=None))
@@ -176,10 +190,50 @@ def _parse_cached(text: str, boxed: str | None) -> tuple:
         bare = strip_end_punctuation(boxed)  # one sentence mark inside the box: `\boxed{18.}`
         if bare and bare != boxed:
             parsed = parsed + math_verify.parse("\\boxed{" + bare + "}", parsing_timeout=None)
-    number = _text_number(boxed)
+    number = _text_number(boxed) or _percent_number(boxed)
     if number is not None:
         parsed = parsed + math_verify.parse(f"${number}$", parsing_timeout=None)
     return tuple(parsed)
+
+
+_PERCENT_NUMBER_RE = re.compile(r"\s*([-+]?(?:\d[\d,]*(?:\.\d+)?|\.\d+))[ \t]*\\?%\s*")
+_LOOSE_LETTERS_RE = re.compile(r"[A-Za-z]{2}|(?<=\s)[A-Za-z]")  # a word, or a letter after a blank
+
+
+def _percent_number(boxed: str) -> str | None:
+    """``12.5\\%``, ``12.5%``, ``12.5 \\%`` → ``12.5``; None for anything else."""
+    m = _PERCENT_NUMBER_RE.fullmatch(boxed)
+    return m.group(1) if m is not None else None
+
+
+def _has_loose_letters(line: str) -> bool:
+    """Whether ``line`` has letters outside LaTeX commands and ``\\text{}`` that are no algebra: a word
+    (``clips``, ``cm²``) or a letter after a blank (``12 m/s``, ``12 x``), not ``3x`` or ``e^2``."""
+    return _LOOSE_LETTERS_RE.search(_LATEX_COMMAND_RE.sub(" ", _LATEX_WORDS_RE.sub(" ", line))) is not None
+
+
+@lru_cache(maxsize=1024)
+def parse_hash_line(line: str) -> tuple[tuple, str]:
+    """A cleaned ``####`` answer line's candidates for ``math_verify.verify`` (it accepts a match with any) and
+    the answer they show (reports, maj@n votes).
+
+    Two readings. As a box (``\\boxed{line}``, `_parse_cached`) when the line is maths alone or a list: ``-.5``,
+    ``\\dfrac12``, ``5:30``, ``3, 4`` parse there and not as text. As text, math-verify's plain parse (its last
+    number: how 631ba22 read every line) when the box reading is not the whole answer: words or units after
+    the value (``72 clips!``, ``3 days = 72 hours``, ``12 m/s``, ``1/2 cup``), symbols math-verify's LaTeX leaves
+    as a string (``72 €``, ``-5°``) or a decimal comma (``12,5``). A line of maths alone is not read as text:
+    there the plain parse takes a number out of it (``2^{10}``, ``2\\sqrt{3}``, ``10^{100}`` as 2, 2, 10), nor is
+    a line that ends in an ellipsis (``0.33...`` is 1/3, not 0.33; `qerl.answers.strip_trailing_marks` kept it)."""
+    boxed = _parse_cached("\\boxed{" + line + "}", line) if is_bare_math(line) or lists_several_values(line) else ()
+    decimal_comma = _DECIMAL_COMMA_RE.fullmatch(line) is not None
+    maths_alone = has_expression(boxed) and not decimal_comma and not _has_loose_letters(line)
+    if maths_alone or line.endswith(("...", "\u2026")):
+        return boxed, line
+    plain = tuple(math_verify.parse(line, parsing_timeout=None))
+    strings = [p for p in plain if isinstance(p, str)]
+    # shown: the plain reading (`72 clips` → 72), unless a list or a decimal comma, whose plain reading is not it
+    whole = decimal_comma or not strings or lists_several_values(line)
+    return boxed + plain, line if whole else strings[-1]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -190,11 +244,15 @@ def _parse_cached(text: str, boxed: str | None) -> tuple:
 # (`10^{10^{10^{10}}}`, `2^{2^{2^{35}}}`, `e^{10^{10^{10}}}`, `10**10**10**10` in plain text) mpmath shifts a
 # mantissa by that exponent's bit count (`tman<<texp`): one C-level big-integer operation that SIGALRM cannot
 # interrupt (10-19 s and ~9 GB measured; `2^{2^{2^{37}}}` asks for 16+ GB). It starts to cost at an exponent
-# of ~2^(2^30) (`2^{2^{2^{30}}}`: 0.6 GB, `2^{2^{2^{32}}}`: 1.7 GB and 0.5 s past a 2 s deadline), a value
-# of ~10^(3*10^8) digits. Real answers are far smaller: 2^{2007} has 605 digits, 10^{100} 101. A power (or
-# `\exp`) whose value may exceed 10^10000 is kept from math-verify: four orders of magnitude in the number of
-# digits below where the cost starts, ten above the largest real answers.
-_MAX_POWER_LOG10 = 10_000.0
+# of ~2^(2^30) (`2^{2^{2^{30}}}`: 0.6 GB, `2^{2^{2^{32}}}`: 1.7 GB and 0.5 s past a 2 s deadline), an exponent
+# of ~3*10^8 digits: that is where the uninterruptible cost starts. A power (or `\exp`) whose value may exceed
+# 10^(10^6) is kept from math-verify; below it no power math-verify evaluates has more than 10^6 digits (~3.3 Mbit),
+# whose products and shifts take milliseconds (measured with math-verify 0.9: `10^{1000000}` against `y^2` 0.4 s,
+# `2^{3321928}` against `4^{1660964}` 0.04 s; a slower symbolic path, `99^{99^{2}}` against `99^{9801}`, runs in
+# Python and stops at the deadline). Two orders of magnitude in digits below where the cost starts, and far above
+# real answers (2^{2007} has 605 digits, 10^{100} 101), so that their equivalent forms (`2^{40000}` and `4^{20000}`,
+# `1.0001^{10000}` and `(1.0001)^{10000}`), which the former bound, 10^10000, sent to a text comparison, are matched.
+_MAX_POWER_LOG10 = 1_000_000.0
 _FINITE_CAP = 1e250  # a log10 bound kept finite (as an exponent it folds to inf; sums of such stay finite)
 _LOG10_2 = math.log10(2)
 _CONSTANT_LOG10 = {"e": math.log10(math.e), "pi": math.log10(math.pi)}  # (`e` is Euler's number to math-verify)
@@ -306,9 +364,22 @@ class _Group:
         return result
 
 
+# What two answers' texts are compared without: whitespace, `$`, `\left`/`\right` and LaTeX spacing (`\,`, `\!`)
+_TEXT_NOISE_RE = re.compile(r"\s+|\$|\\(?:left|right)(?![A-Za-z])|\\[,!:; ]")
+
+
+def _same_text(a: str, b: str) -> bool:
+    """Whether two answers are the same text, up to whitespace, ``$``, ``\\left``/``\\right``, LaTeX spacing
+    and a final period: how answers that math-verify must not compare (`has_huge_power`) are matched."""
+    def plain(text: str) -> str:
+        return _TEXT_NOISE_RE.sub("", text).removesuffix(".")
+
+    return plain(a) == plain(b)
+
+
 def has_huge_power(text: str) -> bool:
     """Whether ``text`` may hold a power (``a^b``, ``a^{...}`` nested, ``a**b``, ``e^{...}``, ``\\exp``; a
-    factorial counts inside one) whose value passes 10^10000 (`_MAX_POWER_LOG10`), which math-verify must
+    factorial counts inside one) whose value passes 10^(10^6) (`_MAX_POWER_LOG10`), which math-verify must
     not compare (see above). An upper bound, in one linear scan that never raises: a literal counts its
     magnitude, ``e`` and ``\\pi`` theirs, any other symbol 1 (a word: the product of its letters); a
     bracket group at most the product of its numbers times 2 per number, so sums, products, signs and

@@ -23,7 +23,7 @@ then the tail of the whole completion.
 Safety: a reward is called on arbitrary model output, so no call may raise or hang.
 ``MathAccuracy`` parses at most ``max_chars`` of a completion, catches every exception (→ 0.0, with a
 rate-limited warning), and bounds each parse/verify with a wall-clock deadline (``qerl.deadline``); an
-answer or gold with a power past 10^10000, whose numeric check no deadline can stop, is compared as text.
+answer or gold with a power past 10^(10^6), whose numeric check no deadline can stop, is compared as text.
 """
 
 from __future__ import annotations
@@ -37,18 +37,18 @@ from typing import Any, NamedTuple
 import math_verify
 
 from qerl.answers import (  # noqa: F401
-    _ZERO_WIDTH, _boxed_spans, answer_tag_content, boxed_answers, extract_answer, extract_boxed, extract_gsm8k_gold,
-    hash_answer, is_long_integer, long_integers_equal, normalize_digits, normalize_minus, unwrap_emphasis)
+    _ZERO_WIDTH, _boxed_spans, answer_tag_content, boxed_answers, clean_hash_answer, extract_answer, extract_boxed,
+    extract_gsm8k_gold, hash_answer, hash_line_hedges, is_long_integer, long_integers_equal, normalize_digits,
+    normalize_minus, unwrap_emphasis)
 from qerl.deadline import call_with_deadline as _deadline
 from qerl.math_parsing import (  # noqa: F401 (re-exported)
-    _DIGIT_SEP_RE, _MAX_POWER_LOG10, _SPACE_SEP_RE, _is_multi_valued, _parse_gold, _parse_pred, _text_number,
-    has_expression, has_huge_power, hash_answer_content, is_bare_math, starts_with_relation)
+    _DIGIT_SEP_RE, _MAX_POWER_LOG10, _SPACE_SEP_RE, _is_multi_valued, _parse_gold, _parse_pred, _same_text,
+    _text_number, has_expression, has_huge_power, is_bare_math, lists_several_values, parse_hash_line,
+    starts_with_relation)
 from qerl.reward_function import RewardFunction, _warn_limited
 
 logger = logging.getLogger(__name__)
 _WHITESPACE_RE = re.compile(r"\s*")
-# What two answers' texts are compared without: whitespace, `$`, `\left`/`\right` and LaTeX spacing (`\,`, `\!`)
-_TEXT_NOISE_RE = re.compile(r"\s+|\$|\\(?:left|right)(?![A-Za-z])|\\[,!:; ]")
 _long_integer_warned = [False]  # (once per process: a data set's long golds would repeat it every step)
 
 # ----------------------------------------------------------------------------------------------
@@ -72,22 +72,21 @@ for _name in ("math_verify.parser", "math_verify.grader"):
 # ----------------------------------------------------------------------------------------------
 
 
-def _same_text(a: str, b: str) -> bool:
-    """Whether two answers are the same text, up to whitespace, ``$``, ``\\left``/``\\right``, LaTeX spacing
-    and a final period: how answers that math-verify must not compare (`has_huge_power`) are matched."""
-    def plain(text: str) -> str:
-        return _TEXT_NOISE_RE.sub("", text).removesuffix(".")
-
-    return plain(a) == plain(b)
+def _compared_as_text(answers: list[str], gold: str) -> bool:
+    """The verdict when an answer or the gold holds a power tower (`has_huge_power`): math-verify's numeric
+    check of ``10^{10^{10^{10}}}`` cannot be interrupted by any deadline, so the texts are compared."""
+    _warn_limited(f"MathAccuracy: a power past 10^{_MAX_POWER_LOG10:.0f} in the answer {(answers or [''])[-1][:80]!r} "
+                  f"or the gold {gold[:80]!r}: compared as text (math-verify's numeric check cannot be interrupted)")
+    return any(_same_text(answer, gold) for answer in answers)
 
 
 class _Prediction(NamedTuple):
     """What a completion is scored on (`MathAccuracy._prediction`)."""
 
     text: str  # the normalised completion
-    boxed: str | None  # its last box's content, an `<answer>` span or `####` line read as one; None without
-    pred_text: str  # the text math-verify parses: `\boxed{<boxed>}`, or the completion's tail
-    hash_line: bool  # `boxed` is the line after `####`
+    boxed: str | None  # its last box's content, an `<answer>` span read as one, or the cleaned `####` line
+    pred_text: str  # the text math-verify parses: `\boxed{<boxed>}`, the `####` line, or the completion's tail
+    hash_line: bool  # `boxed` is the line after `####` (`parse_hash_line` reads it)
 
 
 class MathAccuracy(RewardFunction):
@@ -98,13 +97,14 @@ class MathAccuracy(RewardFunction):
     written in ``\\text{}`` with unit words (``\\text{18 dollars}``), that number is a further
     candidate. Without a box (unless ``boxed_only``): the last ``<answer>...</answer>`` (R1 style),
     read as a box is when it is maths alone and as text when it has words; else the line after the
-    last ``####`` (GSM8K style), read as a box's content is (`hash_answer_content`: ``$`` removed, a sign
-    joined to its number, a number with unit words as that number; other words, several values or a
-    leading relation score 0 as in a box); else the whole (tail of the) completion, where math-verify
-    takes the last LaTeX/number expression. Equivalences handled include
+    last ``####`` (GSM8K style), cleaned (`clean_hash_answer`), scored 0 if it hedges (``71 or 72``), starts with
+    a relation (``> 72``) or lists several values (``16, 17, 18``) where the gold does not, else read both as a
+    box and as math-verify's plain text (`parse_hash_line`); else the whole (tail of the) completion, where
+    math-verify takes the last LaTeX/number expression. Equivalences handled include
     ``\\frac{1}{2}``/``0.5``/``1/2``, ``1,000``/``1000``, ``\\$5``/``5`` and ``5\\%``/``5``.
-    An answer or gold with a power past 10^10000 (``10^{10^{10^{10}}}``) is compared as text, not by
-    math-verify, whose numeric check would run past any deadline on it (`has_huge_power`).
+    An answer or gold with a power past 10^(10^6) (``10^{10^{10^{10}}}``) is compared as text, not by
+    math-verify, whose numeric check would run past any deadline on it (`has_huge_power`); without a box,
+    the answer checked is what math-verify's lazy parse takes from the tail, not the reasoning before it.
 
     Args:
         boxed_only: If True, a completion without ``\\boxed{}`` scores 0 (no fallback parse).
@@ -147,7 +147,7 @@ class MathAccuracy(RewardFunction):
 
     def _prediction(self, completion: Any) -> _Prediction | None:
         """What a completion is scored on, or None when it scores 0 whatever the gold (no box under
-        ``boxed_only``, no answer tag, an over-long box, a ``####`` line with words beyond its value)."""
+        ``boxed_only``, no answer tag, an over-long box, a hedged ``####`` line)."""
         if not isinstance(completion, str):
             return None
         if self.answer_tag:
@@ -176,31 +176,33 @@ class MathAccuracy(RewardFunction):
         # read the words as a product of symbols.
         tail = normalize_minus((span or text)[-limit:]) if boxed is None else ""
         line = hash_answer(tail) if boxed is None else None
-        if line is not None:  # a GSM8K `####` line is read as a box is: math-verify alone takes its last number,
-            boxed = hash_answer_content(line)  # so `17 or 18`, `16, 17, 18`, `> 18` were all 18
-            if boxed is None:  # words beyond the value (`18 is not right`)
+        if line is not None:  # math-verify alone reads a `####` line's last number: `17 or 18`, `> 18` were 18
+            boxed = clean_hash_answer(line)
+            if hash_line_hedges(boxed):  # (`18 is not right`, `17 (not 18)`: no answer whatever the gold)
                 return None
         if boxed is not None:  # a plain space as the separator, only in the answer itself (`\boxed{12 345}`)
             boxed = _SPACE_SEP_RE.sub("", boxed)
             if len(boxed) > limit:  # no answer is that long, and parsing it is what the cap prevents
                 return None
         # Re-box the extracted content so math-verify sees exactly the last box (its boxed regex
-        # is brace-balanced) rather than whatever else the completion contains.
-        pred_text = "\\boxed{" + boxed + "}" if boxed is not None else tail
+        # is brace-balanced) rather than whatever else the completion contains. (A `####` line: `parse_hash_line`.)
+        pred_text = tail if boxed is None else boxed if line is not None else "\\boxed{" + boxed + "}"
         return _Prediction(text, boxed, pred_text, line is not None)
 
     def scored_answer(self, completion: Any) -> str | None:
-        """The answer `score_one` compares with the gold, as text (for reports next to its verdict):
-        the last box's (or ``<answer>`` span's, or ``####`` line's) content, else what math-verify parsed
-        from the tail; None when nothing is scored or the parse fails or times out. Never raises.
+        """The answer `score_one` compares with the gold, as text (for reports next to its verdict): the last box's
+        (or ``<answer>`` span's) content, the ``####`` line as `parse_hash_line` shows it, else what math-verify
+        parsed from the tail; None when nothing is scored or the parse fails or times out. Never raises.
         (math-verify's parse alone is lazy: a power tower costs it nothing, only its comparison does.)"""
         prediction = self._prediction(completion)
         if prediction is None:
             return None
         boxed, pred_text = prediction.boxed, prediction.pred_text
-        if boxed is not None:
+        if boxed is not None and not prediction.hash_line:
             return boxed
         try:
+            if prediction.hash_line:
+                return _deadline(lambda: parse_hash_line(pred_text)[1], self.timeout_s)
             parsed = _deadline(lambda: _parse_pred(pred_text, None), self.timeout_s)
         except Exception:  # noqa: BLE001 - a report field, never a failure
             return None
@@ -223,20 +225,17 @@ class MathAccuracy(RewardFunction):
         gold_text = _text_number(gold.strip()) or gold.strip()
         if boxed is not None and starts_with_relation(boxed) and not starts_with_relation(gold_text):
             return 0.0  # `\neq 72`, `> 72`: math-verify keeps the 72 and drops the relation ("not 72" is no 72)
-        if hash_line and _is_multi_valued(boxed) and not _is_multi_valued(gold_text):
+        if hash_line and lists_several_values(boxed) and not _is_multi_valued(gold_text):
             return 0.0  # `#### 16, 17, 18` lists candidates; only a gold with several values is answered so
         # integers longer than Python's int-string limit: math-verify cannot convert them (it scores 0
-        # silently), so they are compared here as digit strings (linear; `limit` bounds the box)
-        exact = long_integers_equal(gold_text, boxed)
+        # silently), so they are compared here as digit strings (linear; `limit` bounds the box), with unit words
+        exact = long_integers_equal(gold_text, (_text_number(boxed) or boxed) if boxed is not None else None)
         if exact is not None:
             return 1.0 if exact else 0.0
-        # a power tower (`10^{10^{10^{10}}}`) would hold math-verify past any deadline: compared as text
-        answer = boxed if boxed is not None else pred_text
-        if has_huge_power(gold_text) or has_huge_power(answer):
-            _warn_limited(f"MathAccuracy: a power past 10^{_MAX_POWER_LOG10:.0f} in the answer {answer[:80]!r} or the "
-                          f"gold {gold_text[:80]!r}: compared as text, not by math-verify (its numeric check "
-                          "cannot be interrupted on such numbers)")
-            return 1.0 if _same_text(answer, gold_text) else 0.0
+        # a power tower (`10^{10^{10^{10}}}`) would hold math-verify past any deadline: compared as text, the box
+        # or line before any parse; the tail in `run`, on what the parse takes from it (not the reasoning before)
+        if boxed is not None and (has_huge_power(gold_text) or has_huge_power(boxed)):
+            return 1.0 if _compared_as_text([boxed], gold_text) else 0.0
         if not _long_integer_warned[0] and is_long_integer(gold_text):
             _long_integer_warned[0] = True
             logger.warning("MathAccuracy: a gold integer of %d digits (more than Python's int-string limit, %d) is "
@@ -245,13 +244,18 @@ class MathAccuracy(RewardFunction):
 
         def run() -> bool:
             # verify() only treats a *list* as alternatives; a tuple would be one odd expression.
+            pred_parsed = list(parse_hash_line(boxed)[0]) if hash_line else _parse_pred(pred_text, boxed)
+            if boxed is None:  # (the parse is lazy: `10^{10^{10}}` costs nothing until compared)
+                strings = [p for p in pred_parsed if isinstance(p, str)]
+                if has_huge_power(gold_text) or any(has_huge_power(s) for s in strings):
+                    return _compared_as_text(strings, gold_text)
             gold_parsed = list(_parse_gold(gold_text))
             if not has_expression(gold_parsed):  # (`\frac{`): only a verbatim copy of it can match
                 _warn_limited(f"MathAccuracy: math-verify reads no expression in the gold answer {gold_text[:80]!r}: "
                               "its completions will all score 0 unless they repeat it verbatim (fix or drop that row)")
                 if not gold_parsed:
                     return False
-            if math_verify.verify(gold_parsed, _parse_pred(pred_text, boxed), timeout_seconds=None):
+            if math_verify.verify(gold_parsed, pred_parsed, timeout_seconds=None):
                 return True
             # A multi-answer gold (`1, -2`, `3 \pm 2\sqrt{2}`) is often boxed one value at a time:
             # then all boxes together are the answer (a set; extra or hedged values still fail).

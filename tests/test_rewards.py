@@ -367,6 +367,145 @@ def test_hash_line_scored_answer() -> None:
     assert scorer.scored_answer("#### 18\n#### 17") == "17"
 
 
+# What a reviewer compared between 631ba22 (math-verify's plain parse of the `####` line: its last number) and the
+# line read only as a box's content: the box reading fixed hedges and signs but refused every line with words the
+# box list did not know. The line is now refused only for a hedge, a leading relation or several values, and is
+# otherwise read both ways (`parse_hash_line`), so both columns below hold.
+NATALIA = "Natalia sold 48/2 = <<48/2=24>>24 clips in May.\n48+24 = <<48+24=72>>72 clips in all.\n#### "
+
+
+@pytest.mark.parametrize("line, gold", [
+    ("71 or 72", "72"), ("72 or 73", "72"), ("72 or so", "72"),  # hedges
+    ("72, 73", "72"), ("16, 17, 18", "18"), ("72; 73", "72"),  # several values for one
+    (r"\neq 72", "72"), ("> 72", "72"), (r"\geq 72", "72"),  # "not 72", "at least 72"
+    ("72 is not correct", "72"), ("18 is not right", "18"), ("17 (not 18)", "18"), ("18 dollars is wrong", "18"),
+    ("72 isn't right", "72"),
+    ("- 72", "72"),  # a sign apart from its number is still its sign (631ba22 read 72)
+    ("72 and a half", "72"),  # 72.5
+    ("18, ...", "18"), ("0.33...", "0.33"),  # a sequence; 1/3 (as in a box)
+    ("2^{10}", "2"), (r"2\sqrt{3}", "2"), ("10^{100}", "10"),  # maths alone is not its first number
+    ("5:30", "5"),  # (5:30 is read as a ratio, not as its hour)
+])
+def test_hash_line_fixes_score_zero(acc: MathAccuracy, line: str, gold: str) -> None:
+    assert acc([NATALIA + line], [gold]) == [0.0]
+
+
+@pytest.mark.parametrize("line, gold", [
+    # signs, fractions, lists and times the box reading parses where math-verify's plain text does not
+    ("- 5", "-5"), ("- $5", "-5"), ("-.5", "-0.5"), ("- .5", "-0.5"), (r"- \frac{1}{2}", "-0.5"), ("x = - 5", "-5"),
+    (r"\dfrac12", "0.5"), (r"\frac34", "0.75"), ("+3", "3"),
+    ("3, 4", "3, 4"), ("4, 3", "3, 4"), ("3,4", "3, 4"), ("3 and 4", "3, 4"),  # a list answers a gold with several
+    ("5:30", "5:30"), ("- 72 clips", "-72"),
+])
+def test_hash_line_fixes_score_one(acc: MathAccuracy, line: str, gold: str) -> None:
+    assert acc([NATALIA + line], [gold]) == [1.0]
+
+
+@pytest.mark.parametrize("line, gold", [
+    # trailing punctuation, emoticons and emphasis are no part of the value
+    ("18,", "18"), ("18, ", "18"), ("$18,", "18"), ("1,234,", "1234"), ("18 dollars,", "18"), ("18 ...", "18"),
+    ("72 clips!", "72"), ("72 clips?", "72"), ("72?", "72"), ("72!", "72"), ("72 :)", "72"),
+    ("**18** dollars", "18"), ("18 **dollars**", "18"),
+    # words after the value that are no hedge (`_NOT_UNITS` holds sec, more, less, times: units or comparisons)
+    ("5 times", "5"), ("3 more", "3"), ("3 more apples", "3"), ("20 fewer", "20"), ("5 less", "5"), ("18 sec", "18"),
+    ("72 percent", "72"), ("25 percent", "25"), ("2 dozen", "2"), ("18 more than last year", "18"),
+    ("72 (clips)", "72"), ("18 (dollars)", "18"), ("18 [dollars]", "18"), ("72 (rounded)", "72"),
+    ("72 (approximately)", "72"), ("18 (eighteen)", "18"), ("72 clips, which is the answer", "72"),
+    ("3 days = 72 hours", "72"), ("72 (no remainder)", "72"),
+    # units, with symbols math-verify's LaTeX leaves as a string or reads as algebra
+    ("72 km/h", "72"), ("12 m/s", "12"), ("72 m^2", "72"), ("72 cm²", "72"), ("72 ft²", "72"), ("72 sq ft", "72"),
+    ("72 €", "72"), ("-5°", "-5"), ("-5 °C", "-5"), ("12 x", "12"), ("12 y", "12"),
+    ("1/2 cup", "0.5"), (r"\frac{1}{2} cup", "0.5"), ("3/4 of the pizza", "0.75"),
+    ("12.5%", "12.5"), (r"12.5\%", "12.5"), ("12.5 %", "12.5"), ("12.5%", "0.125"),  # a percent is its number too
+    ("12,5", "12.5"),  # a decimal comma, as math-verify reads it
+])
+def test_hash_line_regressions_undone(acc: MathAccuracy, line: str, gold: str) -> None:
+    """Each scored 1 at 631ba22 and 0 with the line read only as a box."""
+    assert acc([NATALIA + line], [gold]) == [1.0]
+
+
+@pytest.mark.parametrize("gold, completion", [
+    ("-$5", "#### -5"), ("- $5", "#### -5"), ("\u2212$5", "#### -5"), ("+$5", "#### 5"), ("-$5.50", "#### -5.50"),
+    ("-$1,000", "#### -1000"), ("-$\\frac12$", r"\boxed{-\frac12}"), ("-$5", r"\boxed{-5}"),
+])
+def test_signed_dollar_golds_are_matchable(gold: str, completion: str) -> None:
+    """A GSM8K gold `-$5` kept its `$` (math-verify reads that as nothing): no answer could match it."""
+    assert MathAccuracy()([f"She owes it.\n{completion}"], [extract_gsm8k_gold(f"work\n#### {gold}")]) == [1.0]
+
+
+@pytest.mark.parametrize("completion, gold, expected", [
+    (r"\boxed{12.5\%}", "12.5", 1.0),  # math-verify matches `9\%` with 9 (integers) but `12.5\%` only with 0.125
+    (r"\boxed{12.5%}", "12.5", 1.0),
+    (r"\boxed{12.5\%}", "0.125", 1.0),
+    (r"\boxed{12.5\%}", "13", 0.0),
+    (r"\boxed{12.5\%}", "1.25", 0.0),
+])
+def test_boxed_decimal_percent_is_its_number(acc: MathAccuracy, completion: str, gold: str, expected: float) -> None:
+    assert acc([completion], [gold]) == [expected]
+
+
+@pytest.mark.parametrize("completion, answer", [
+    (NATALIA + "72 clips!", "72"),  # the number read as text
+    (NATALIA + "3 days = 72 hours", "72"),
+    (NATALIA + "72 :)", "72"),
+    (NATALIA + "- $5", "-5"),  # the line read as a box
+    (NATALIA + r"\dfrac12", r"\dfrac12"),
+    (NATALIA + "72 and a half", "72 and a half"),  # a list is shown whole (its plain reading, 72, is not it)
+    (NATALIA + "12,5", "12,5"),
+    (NATALIA + "72 is not correct", None),  # a hedge: nothing scored
+])
+def test_hash_line_scored_answer_is_what_was_compared(completion: str, answer: str | None) -> None:
+    assert MathAccuracy().scored_answer(completion) == answer
+
+
+@pytest.mark.parametrize("text, expected", [
+    ("72?", "72"), ("72 clips!", "72 clips"), ("18,", "18"), ("1,234,", "1,234"), ("18 .", "18"), ("18 ...", "18"),
+    ("72 :)", "72"), ("72 !!! :) .", "72"), ("18 \u2026", "18"), ("5:30", "5:30"),
+    ("0.33...", "0.33..."), ("18, ...", "18, ..."),  # an ellipsis after a digit or a comma is maths
+    ("72:)", "72:)"), (":)", ":)"), ("", ""),  # an emoticon needs a blank before it
+])
+def test_strip_trailing_marks(text: str, expected: str) -> None:
+    from qerl.answers import strip_trailing_marks
+
+    assert strip_trailing_marks(text) == expected
+
+
+@pytest.mark.parametrize("line, expected", [
+    ("**18** dollars", "18 dollars"), ("18 **dollars**", "18 dollars"), ("**$18**", "18"),
+    ("2**10", "2**10"),  # a power in plain text is no emphasis
+    ("- $5", "-5"), ("-$5", "-5"), ("+3", "3"), ("- .5", "-.5"), ("$18,", "18"), ("72 :)", "72"),
+])
+def test_clean_hash_answer(line: str, expected: str) -> None:
+    from qerl.answers import clean_hash_answer
+
+    assert clean_hash_answer(line) == expected
+
+
+@pytest.mark.parametrize("line, hedges", [
+    ("71 or 72", True), ("72 is not correct", True), ("17 (not 18)", True), ("18 dollars is wrong", True),
+    ("72 isn\u2019t it", True), ("maybe 72", True),
+    ("18 sec", False), ("5 times", False), ("3 more", False), ("72 (rounded)", False),  # not `_NOT_UNITS`
+    (r"\notin A", False), (r"18 \text{ or } 19", True), ("72 hours", False), ("72 (no remainder)", False),
+])
+def test_hash_line_hedges(line: str, hedges: bool) -> None:
+    from qerl.answers import hash_line_hedges
+
+    assert hash_line_hedges(line) is hedges
+
+
+@pytest.mark.parametrize("line, several", [
+    ("16, 17, 18", True), ("72; 73", True), ("3 and 4", True), ("72 and a half", True), (r"3 \pm 2", True),
+    ("18, ...", True), ("72 apples and 3 oranges", True),
+    ("1,234", False), ("1,234,567.5", False), ("(1, 2)", False), (r"\{3, 4\}", False), ("12,5", False),
+    ("72 clips, which is the answer", False), ("72 (48 in April and 24 in May)", False), ("3 days = 72 hours", False),
+    ("18", False), ("", False),
+])
+def test_lists_several_values(line: str, several: bool) -> None:
+    from qerl.math_parsing import lists_several_values
+
+    assert lists_several_values(line) is several
+
+
 @pytest.mark.parametrize("field", ["She owes $5.\n#### -$5", "#### \u2212$5", "#### - \\$ 5", "#### $-5"])
 def test_gsm8k_gold_with_sign_and_dollar(field: str) -> None:
     """`-$5` kept its `$` (stripped only at the ends): math-verify reads that gold as nothing, so no answer
@@ -549,6 +688,8 @@ def test_huge_exponent_and_earlier_timer_untouched(caplog) -> None:
     (r"\boxed{10^{10^{10^{10}}}}", "10^{10^{10^{10}}}", 1.0),  # ... and matched as text,
     (r"\boxed{10^{ 10^{10^{10}} }}", "$10^{10^{10^{10}}}$", 1.0),  # up to spaces and `$`,
     (r"\boxed{10^{10^{10^{11}}}}", "10^{10^{10^{10}}}", 0.0),  # not as numbers
+    ("So the answer is $10^{10^{10^{10}}}$.", "10^{10^{10^{10}}}", 1.0),  # the tail: what its lazy parse took
+    ("The answer is 5.", "10^{10^{10^{10}}}", 0.0),  # a tower gold against a tail
 ])
 def test_power_towers_never_reach_math_verify(monkeypatch, completion: str, gold: str, expected: float) -> None:
     """Bounded by construction: math-verify is not called at all (a deadline cannot stop its C-level shift)."""
@@ -566,19 +707,41 @@ def test_power_towers_never_reach_math_verify(monkeypatch, completion: str, gold
     (r"\boxed{e^{x^2}}", "e^{x^2}"),  # a symbol's power has no size to bound
     (r"\boxed{\exp(x^2)}", "e^{x^2}"),  # equal under math-verify, not as text: math-verify compared them
     ("#### 2^{10}", "1024"),
+    # past the former bound (10^10000, compared as text) and below 10^(10^6): equal forms of one number
+    (r"\boxed{2^{40000}}", "4^{20000}"),
+    (r"\boxed{1.0001^{10000}}", "(1.0001)^{10000}"),
+    (r"\boxed{\frac{2^{40000}}{2}}", "2^{39999}"),
+    (r"\boxed{10^{1000000}}", "10^{1000000}"),
 ])
 def test_real_powers_still_go_to_math_verify(completion: str, gold: str) -> None:
     assert MathAccuracy()([completion], [gold]) == [1.0]
 
 
+@pytest.mark.parametrize("completion, gold", [
+    ("Since 10^{10^{10}} is huge, the answer is 5.", "5"),
+    ("(0.9999)^{10000} ~ e^{-1}. The answer is 3.", "3"),
+    ("Thus 1.0001^{10000} is about e, and the answer is 3.", "3"),
+    ("**10000**\n**50000** items means the answer is 5.", "5"),  # markdown bold, not `10000**50000`
+    ("We compute **2**\n**50000** ... answer is 5.", "5"),
+])
+def test_a_tower_in_the_reasoning_does_not_guard_the_answer(monkeypatch, completion: str, gold: str) -> None:
+    """Without a box or `####` line the guard ran on the whole tail, so a power mentioned before the answer forced a
+    text comparison (0). It runs on what math-verify's lazy parse takes from the tail (the 5), which is verified."""
+    calls = []
+    real_verify = rewards_module.math_verify.verify
+    monkeypatch.setattr(rewards_module.math_verify, "verify", lambda *a, **k: calls.append(a) or real_verify(*a, **k))
+    assert MathAccuracy().score_one(completion, gold) == 1.0
+    assert len(calls) == 1
+
+
 @pytest.mark.parametrize("text, huge", [
-    ("10^{10000}", False), ("10^{10001}", True),  # the bound: 10^10000
-    ("2^{2^{13}}", False), ("2^{2^{16}}", True),  # 2467 digits; 19729 digits
-    ("2^2^2^2", False), ("2^2^2^2^2", True),  # right-associative: 2^65536, not (2^2)^... = 256
+    ("10^{1000000}", False), ("10^{1000001}", True),  # the bound: 10^(10^6)
+    ("2^{2^{16}}", False), ("2^{2^{20}}", False), ("2^{2^{22}}", True),  # 19729 digits; 315653; 1262612
+    ("2^2^2^2^2", False), ("2^2^2^2^2^2", True),  # right-associative: 2^65536, not (2^2)^... = 65536
     ("10^{10^{10^{10}}}", True), ("x^{10^{10^{10}}}", True),  # an exponent past the bound is itself one
     ("10^{-10^{10^{10}}}", True), (r"\frac{1}{10^{10^{10^{10}}}}", True),  # signs and fractions: magnitudes
     ("(10^{10})^{10^{10}}", True), ("{10^{10}}^{10^{10}}", True), ("9^{9^{9^{9}}}", True),
-    (r"2^\left(10^{10^{5}}\right)", True), ("2^-10^{10^{5}}", True), (r"\mathrm{e}^{10^{5}}", True),
+    (r"2^\left(10^{10^{5}}\right)", True), ("2^-10^{10^{5}}", True), (r"\mathrm{e}^{10^{7}}", True),
     (r"2^{\frac{10^{10^{10}}}{3}}", True), ("2^{(10^{10})!}", True),  # a factorial inside a power counts,
     ("99999999!", False), ("(10^{10})!", False),  # alone it is left to the deadline (sympy loops in Python)
     ("1e100000000000", False),  # a float's exponent is no big integer
@@ -757,6 +920,14 @@ def test_integers_past_pythons_int_string_limit_are_compared_as_digits(caplog) -
         assert reward([f"\\boxed{{{big}.0}}"], [big]) == [0.0]  # not a plain integer: math-verify's, and 0
     assert "a gold integer of" in caplog.text and "int-string limit" in caplog.text
     assert sys.get_int_max_str_digits() == n - 700  # (left as it was)
+
+
+def test_long_integer_hash_line_with_unit_words() -> None:
+    """`#### <5000 digits> dollars` is that integer, compared as digits as a bare one is (math-verify cannot convert it)."""
+    import sys
+
+    big = "7" * (sys.get_int_max_str_digits() + 700)
+    assert MathAccuracy()([f"#### {big} dollars", f"#### {big[:-1]}8 dollars"], [big] * 2) == [1.0, 0.0]
 
 
 def test_non_finite_reward_weights_fail_at_construction() -> None:
