@@ -22,10 +22,9 @@ from safetensors.torch import load_file, save_file
 from qerl.base_record import (  # noqa: F401 (re-exported: the base record's home is qerl/base_record.py)
     BASE_FILE, BASE_KEYS, DEQUANTIZED_BASE_FILE, _write_base, checkpoint_base, is_dequantized_base, read_base,
     read_dequantized_base, same_model, trained_seed, write_dequantized_base)
-from qerl.model import LoraSettings, hold_norm_in_fp32, lora_config, non_finite_tensors
+from qerl.model import PEFT_PREFIX, LoraSettings, hold_norm_in_fp32, lora_config, non_finite_tensors
 
 TRAINABLE_NORMS_FILE = "trainable_norms.safetensors"
-_PEFT_PREFIX = "base_model.model."
 # The LoRA tensors beside adapter_config.json, in the order peft looks for them; without either, peft
 # takes the folder for a Hugging Face hub id (a network error, or "Repo id must be in the form ...").
 ADAPTER_WEIGHT_FILES = ("adapter_model.safetensors", "adapter_model.bin")
@@ -46,7 +45,7 @@ def _hf_model(model: nn.Module) -> nn.Module:
 def hf_name(name: str) -> str:
     """A parameter/module name with peft's wrapping removed: ``base_model.model.`` prefix,
     ``.base_layer`` and ``.original_module`` (peft keeps the untouched weights there)."""
-    name = name[len(_PEFT_PREFIX):] if name.startswith(_PEFT_PREFIX) else name
+    name = name[len(PEFT_PREFIX):] if name.startswith(PEFT_PREFIX) else name
     return ".".join(p for p in name.split(".") if p not in ("base_layer", "original_module"))
 
 
@@ -150,7 +149,7 @@ def _check_lora_fits(model: nn.Module, saved: dict[str, torch.Tensor], name: str
     size-mismatch traceback, and drops the tensors of a deeper base's extra layers without a word."""
     modules = dict(_hf_model(model).named_modules())
     for key, tensor in saved.items():
-        path, _, kind = key.removeprefix(_PEFT_PREFIX).rpartition(".lora_")
+        path, _, kind = key.removeprefix(PEFT_PREFIX).rpartition(".lora_")
         if kind not in ("A.weight", "B.weight"):
             continue  # DoRA magnitudes, embedding LoRA: not qerl's, peft checks them
         linear = getattr(modules.get(path), "base_layer", modules.get(path))  # the model may be peft-wrapped

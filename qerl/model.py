@@ -305,7 +305,7 @@ def hold_norm_in_fp32(model: nn.Module, name: str, value: torch.Tensor | None = 
 # every top-level *.safetensors of a model folder without an index as the model's weights.
 BASE_NORMS_DIR = "qerl_base_norms"
 BASE_NORMS_FILE = f"{BASE_NORMS_DIR}/norms.safetensors"
-_PEFT_PREFIX = "base_model.model."
+PEFT_PREFIX = "base_model.model."  # what peft puts before the wrapped model's parameter names
 
 
 def is_norm_scale(name: str) -> bool:
@@ -319,8 +319,8 @@ def base_norm_scales(model: nn.Module, name_or_path: str) -> dict[str, torch.Ten
     any training (a copy, under the base model's names): its folder's :data:`BASE_NORMS_FILE` when it
     has one, else ``model``'s own (peft-free) values. A file that does not fit is a ValueError."""
     own = {name: p.detach().clone() for name, p in model.named_parameters() if is_norm_scale(name)}
-    path = os.path.join(os.path.expanduser(str(name_or_path)), BASE_NORMS_FILE)
-    if not os.path.isfile(path):
+    path = _base_norms_file(name_or_path)
+    if path is None:
         return own
     from safetensors.torch import load_file
 
@@ -334,11 +334,17 @@ def restore_base_norms(peft_model: nn.Module, name_or_path: str) -> None:
     """A policy with trainable norms loaded from a folder with a :data:`BASE_NORMS_FILE`: its base-model
     passes use those scales (``qerl_base_norms``), not the trained ones its weights hold."""
     base = getattr(peft_model, "qerl_base_norms", None)
-    if not base or not os.path.isfile(os.path.join(os.path.expanduser(str(name_or_path)), BASE_NORMS_FILE)):
+    if not base or _base_norms_file(name_or_path) is None:
         return
     recorded = base_norm_scales(peft_model.get_base_model(), name_or_path)
     for name in base:
-        base[name] = recorded[name.removeprefix(_PEFT_PREFIX)].to(base[name].dtype)
+        base[name] = recorded[name.removeprefix(PEFT_PREFIX)].to(base[name].dtype)
+
+
+def _base_norms_file(name_or_path: str) -> str | None:
+    """The model folder's :data:`BASE_NORMS_FILE`, or None (no such file: a hub id, a tiny model...)."""
+    path = os.path.join(os.path.expanduser(str(name_or_path)), BASE_NORMS_FILE)
+    return path if os.path.isfile(path) else None
 
 
 def _output_in_input_dtype(module: nn.Module, args: tuple, output):
