@@ -45,7 +45,7 @@ def _hf_model(model: nn.Module) -> nn.Module:
 def hf_name(name: str) -> str:
     """A parameter/module name with peft's wrapping removed: ``base_model.model.`` prefix,
     ``.base_layer`` and ``.original_module`` (peft keeps the untouched weights there)."""
-    name = name[len(PEFT_PREFIX):] if name.startswith(PEFT_PREFIX) else name
+    name = name.removeprefix(PEFT_PREFIX)
     return ".".join(p for p in name.split(".") if p not in ("base_layer", "original_module"))
 
 

@@ -12,10 +12,10 @@ from typing import Any
 import torch
 from torch import nn
 
+from qerl.model import PEFT_PREFIX
 from qerl.rollout.base import Generation, NonFiniteLogits, SamplingSettings
 
 ALLOWED_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # vllm/config/lora.py MaxLoRARanks
-_PEFT_PREFIX = "base_model.model."
 
 
 def allowed_lora_rank(rank: int) -> int:
@@ -30,7 +30,7 @@ def hf_to_vllm_norm_name(name: str) -> str:
     """vLLM parameter name of a norm given by HF module or parameter name, peft-wrapped or not:
     ``base_model.model.model.layers.3.input_layernorm`` -> ``model.layers.3.input_layernorm.weight``.
     Qwen2/Qwen3/Llama norms keep their HF names in vLLM (vllm.md §3.2)."""
-    name = name[len(_PEFT_PREFIX):] if name.startswith(_PEFT_PREFIX) else name
+    name = name.removeprefix(PEFT_PREFIX)
     parts, out, skip = name.split("."), [], False
     for p in parts:
         if skip:  # the adapter name after `modules_to_save`
