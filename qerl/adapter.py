@@ -211,7 +211,9 @@ def load_adapter_into(peft_model: nn.Module, adapter_dir: str | Path) -> nn.Modu
     _check_adapter_config(peft_model, adapter_dir)  # (check_adapter_dir first)
     device = str(next(peft_model.parameters()).device)
     saved = _read_adapter_weights(adapter_dir, device)
-    expected = set(get_peft_model_state_dict(peft_model))  # same naming as the file (no adapter name)
+    # same naming as the file (no adapter name) and, as export_adapter writes it, no embedding layers: with
+    # lm_head or embed_tokens targeted, peft's "auto" would also expect their frozen base weights
+    expected = set(get_peft_model_state_dict(peft_model, save_embedding_layers=False))
     extra, missing = sorted(set(saved) - expected), sorted(expected - set(saved))
     if extra:
         raise ValueError(f"adapter {adapter_dir} has {len(extra)} LoRA tensors the model has no slot for "

@@ -280,6 +280,25 @@ def test_adapter_loads_into_a_policy_built_with_the_same_lora(tmp_path):
         assert torch.equal(fresh(ids).logits, model(ids).logits)
 
 
+def test_adapter_on_lm_head_loads_into_a_policy(tmp_path):
+    """A LoRA on lm_head (an embedding-like layer for peft) reloads: the export leaves the frozen head out,
+    and the check of the file's tensors expects it left out (it once asked for lm_head.base_layer.weight)."""
+    settings = LoraSettings(rank=4, alpha=8, target_modules=[*DECODER_LINEARS, "lm_head"])
+    model, _ = load_policy("tiny-qwen2", "nvfp4", settings, dtype="fp32", seed=SEED)
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if "lora_B" in n:
+                p.copy_(torch.randn(p.shape, generator=torch.Generator().manual_seed(3)) * 0.3)
+    export_adapter(model, tmp_path)
+    assert not any("base_layer" in k for k in load_file(tmp_path / "adapter_model.safetensors"))
+    fresh, _ = load_policy("tiny-qwen2", "nvfp4", settings, dtype="fp32", seed=SEED)
+    ids = _ids(5)
+    with torch.no_grad():
+        assert not torch.allclose(fresh(ids).logits, model(ids).logits)
+        load_adapter_into(fresh, tmp_path)
+        assert torch.equal(fresh(ids).logits, model(ids).logits)
+
+
 @pytest.mark.parametrize("settings, problem", [
     (LoraSettings(rank=4, alpha=16, trainable_norms=True), "trained with lora.alpha=8; the model has alpha=16"),
     (LoraSettings(rank=8, alpha=8, trainable_norms=True), "trained with lora.rank=4; the model has rank=8"),

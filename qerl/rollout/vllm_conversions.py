@@ -47,7 +47,7 @@ def adapter_tensors(peft_model: nn.Module) -> dict[str, torch.Tensor]:
     adapter name), as fresh CPU copies: vLLM scales B in place when it loads them."""
     from peft.utils import get_peft_model_state_dict
 
-    state = get_peft_model_state_dict(peft_model)
+    state = get_peft_model_state_dict(peft_model, save_embedding_layers=False)  # (no frozen lm_head copy)
     tensors = {k: v.detach().to("cpu", copy=True).contiguous() for k, v in state.items()
                if k.endswith((".lora_A.weight", ".lora_B.weight"))}
     # anything else peft trains (an embedding's lora_embedding_A/B, DoRA's magnitudes) would not reach
