@@ -94,6 +94,8 @@ def _model_source(name_or_path: str) -> tuple[str, dict]:
         what = ("a peft adapter folder (give it as model.adapter_path, with its base as the model)"
                 if os.path.isfile(os.path.join(path, "adapter_config.json")) else "not a Hugging Face model folder")
         raise ValueError(f"cannot load model {name_or_path!r}: the folder has no config.json: {what}")
+    if os.path.isfile(path):  # (transformers would read the path as a hub id and blame its form)
+        raise ValueError(f"cannot load model {name_or_path!r}: a file that is not a .gguf; give the model's folder")
     if os.path.exists(path):
         return path, {}
     if name_or_path.startswith("tiny-") and "/" not in name_or_path:  # (a hub owner may be tiny-...)
@@ -267,6 +269,7 @@ def add_lora(model: PreTrainedModel, settings: LoraSettings) -> nn.Module:
         # peft reads transformers 5's deprecated `is_gradient_checkpointing`: not ours to act on
         warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated", category=FutureWarning)
         peft_model = get_peft_model(model, config)
+    _check_every_target_matched(peft_model, settings.target_modules)
     if settings.compute_dtype == "model":
         compute_in_activation_dtype(peft_model)
     if settings.trainable_norms:
@@ -277,6 +280,17 @@ def add_lora(model: PreTrainedModel, settings: LoraSettings) -> nn.Module:
                 hold_norm_in_fp32(peft_model, name)
         peft_model.qerl_base_norms = base  # a plain attribute: never in a state_dict or checkpoint
     return peft_model
+
+
+def _check_every_target_matched(peft_model: nn.Module, targets: list[str]) -> None:
+    """peft refuses a target list none of whose names matches, but drops a misspelled name beside a
+    matching one (``[q_proj, donw_proj]`` trains q only), and the saved adapter_config.json repeats the typo."""
+    wrapped = peft_model.base_model.targeted_module_names  # full module names, matched by suffix as peft does
+    unmatched = [t for t in targets if not any(n == t or n.endswith("." + t) for n in wrapped)]
+    if unmatched:
+        leaves = sorted({n.rpartition(".")[2] for n in wrapped})
+        raise ValueError(f"model.lora.target_modules: no module named {unmatched[0]!r} in the model "
+                         f"(adapted: {', '.join(leaves)})")
 
 
 def hold_norm_in_fp32(model: nn.Module, name: str, value: torch.Tensor | None = None) -> nn.Parameter:

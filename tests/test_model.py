@@ -215,6 +215,18 @@ def test_unknown_model_path_is_one_clear_error(tmp_path):
     (tmp_path / "adapter" / "adapter_config.json").write_text("{}")
     with pytest.raises(ValueError, match="a peft adapter folder .give it as model.adapter_path"):
         load_base_model(str(tmp_path / "adapter"))
+    # a file of a model folder (config.json, model.safetensors): named as such, not as a malformed hub id
+    with pytest.raises(ValueError, match="a file that is not a .gguf; give the model's folder"):
+        load_base_model(str(tmp_path / "adapter" / "adapter_config.json"))
+
+
+def test_misspelled_lora_target_beside_a_matching_one_is_refused():
+    """peft drops a target that matches nothing when another one matches: q_proj alone would train."""
+    with pytest.raises(ValueError, match=r"^model.lora.target_modules: no module named 'donw_proj' in the model "
+                                         r"\(adapted: q_proj\)$"):
+        load_policy("tiny-qwen2", "nvfp4", LoraSettings(rank=4, target_modules=["q_proj", "donw_proj"]))
+    # suffixes with a path and lm_head (not a decoder linear) are names peft matches: accepted
+    load_policy("tiny-qwen2", "nvfp4", LoraSettings(rank=4, target_modules=["model.layers.0.mlp.down_proj", "lm_head"]))
 
 
 def test_unknown_quantization_rejected():
