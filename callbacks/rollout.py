@@ -117,6 +117,9 @@ class RolloutCallback(L.Callback):
             raise ValueError(f"RolloutCallback: log_completions_every_n_steps and num_completions_to_log must be >= 0 "
                              f"(0: no table), got {log_completions_every_n_steps} and {num_completions_to_log}")
         sampling = sampling or SamplingSettings()
+        if sampling.temperature == 0:  # greedy: the G completions of a prompt are one, every advantage 0
+            raise ValueError("RolloutCallback: sampling.temperature must be > 0 for training (0 is greedy: the "
+                             "group's completions would all be the same); greedy evaluation is model.eval's")
         if not 0 <= overlong_buffer <= sampling.max_new_tokens:
             raise ValueError(f"RolloutCallback: overlong_buffer must be in [0, sampling.max_new_tokens="
                              f"{sampling.max_new_tokens}], got {overlong_buffer}")
@@ -260,10 +263,12 @@ class RolloutCallback(L.Callback):
             kept, dropped = kept[:n], dropped + kept[n:]
         batch["rollout"] = self._to_rollout(kept, len(dropped) if self.dynamic_sampling else 0, pl_module, timings)
         batch["rollout"].sampled_reward = sampled_reward
+        task_rewards = torch.cat([g["task_rewards"] for g in generated])  # (every generated group x G,)
+        batch["rollout"].sampled_frac_zero_std = float(1.0 - groups_with_signal(task_rewards, self.group_size).float().mean())
         if self.dynamic_sampling:
             batch["rollout"].all_lengths, batch["rollout"].all_truncated = all_lengths, all_truncated
         steps_per_batch = getattr(getattr(pl_module, "loss_settings", None), "updates_per_rollout", 1)
-        if self.log_every > 0 and batch_reaches_multiple(step, steps_per_batch, self.log_every):
+        if self.log_every > 0 and self.num_to_log > 0 and batch_reaches_multiple(step, steps_per_batch, self.log_every):
             self._log_table(trainer, batch["rollout"], step)
 
     def _sample_groups(self, prompt_ids, prompts, answers, sources, pl_module, step, round_, timings):
@@ -346,7 +351,7 @@ class RolloutCallback(L.Callback):
         rows = ["| prompt | completion | extracted | gold | reward |", "|---|---|---|---|---|"]
         for i in range(0, min(len(rollout.completions), self.num_to_log * self.group_size), self.group_size):
             rows.append(f"| {table_cell(rollout.prompts[i])} | {table_cell(rollout.completions[i])} | "
-                        f"{table_cell(extracted(rollout.completions[i]))} | {table_cell(rollout.answers[i])} | "
+                        f"{table_cell(extracted(rollout.completions[i]) or '')} | {table_cell(rollout.answers[i])} | "
                         f"{float(rollout.rewards[i]):.3f} |")
         logger.experiment.add_text("completions", "\n".join(rows), global_step=step)
 

@@ -15,6 +15,11 @@ from lightning.pytorch.utilities import rank_zero_warn
 from qerl.rollout import Rollout
 
 
+def mostly_truncated(truncated: torch.Tensor) -> bool:
+    """At least 90% of the flags set, by counts (36 of 40 is 0.8999999761 as a float32 mean)."""
+    return 10 * int(truncated.sum()) >= 9 * truncated.numel()
+
+
 class StepMetricsMixin:
     """Logging and rank reductions of ``QeRLModule`` (expects ``warn_after_steps``, ``_streaks`` and
     ``_world_size`` from the module and ``ResumeMixin``)."""
@@ -76,7 +81,9 @@ class StepMetricsMixin:
             for logger in self.loggers:
                 logger.log_metrics(by_source, step=step)
                 logger.save()
-        self._warn_on_silent_failures(float(metrics["train/frac_reward_zero_std"]), float(metrics["train/clipped_ratio"]))
+        # the warning's own measure of signal: none in any generated group's task rewards (the logged
+        # share counts the rewards trained on, where DAPO's overlong shaping separates completions by length)
+        self._warn_on_silent_failures(rollout.frac_task_zero_std(), mostly_truncated(rollout.sampled_truncated()))
 
     def _reward_by_source(self, rollout: Rollout) -> dict[str, float]:
         """``train/reward_by_source/<name>`` with several training sources: the mean reward of each
@@ -97,18 +104,18 @@ class StepMetricsMixin:
         return {f"train/reward_by_source/{name}": float(totals[0, i] / totals[1, i])
                 for i, name in enumerate(names.values()) if totals[1, i] > 0}
 
-    def _warn_on_silent_failures(self, frac_zero_std: float, clipped: float) -> None:
-        """The classic silent failures: no reward signal, or every completion cut at max length (under
-        DDP: on every rank, so rank 0's warning speaks for the run, not for its own shard)."""
-        flat, truncated = self._on_all_ranks(frac_zero_std >= 1.0), self._on_all_ranks(clipped >= 0.9)
+    def _warn_on_silent_failures(self, frac_zero_std: float, mostly_truncated: bool) -> None:
+        """The classic silent failures: no reward signal, or >= 90% of the completions cut at max length
+        (under DDP: on every rank, so rank 0's warning speaks for the run, not for its own shard)."""
+        flat, truncated = self._on_all_ranks(frac_zero_std >= 1.0), self._on_all_ranks(mostly_truncated)
         self._streaks["zero_std"] = self._streaks["zero_std"] + 1 if flat else 0
         self._streaks["truncated"] = self._streaks["truncated"] + 1 if truncated else 0
         n = self.warn_after_steps
         if self._streaks["zero_std"] == n:
-            rank_zero_warn(f"reward std has been 0 in every group for {n} steps: no learning signal "
+            rank_zero_warn(f"reward std has been 0 in every group for {n} rollout batches: no learning signal "
                            "(check the reward function, answers, and max_new_tokens)")
         if self._streaks["truncated"] == n:
-            rank_zero_warn(f">= 90% of completions hit max_new_tokens for {n} steps: raise max_new_tokens "
+            rank_zero_warn(f">= 90% of completions hit max_new_tokens for {n} rollout batches: raise max_new_tokens "
                            "or check the stop tokens")
 
     def token_normaliser(self, loss_mask: torch.Tensor) -> torch.Tensor:

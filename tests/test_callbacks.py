@@ -475,3 +475,53 @@ def test_aqn_module_names_that_match_no_norm_name_the_setting(names, reason):
     module = _module()
     with pytest.raises(ValueError, match=rf"^AQNCallback.module_names=\['{names[0]}'\]: .*{reason}"):
         AQNCallback(controller=ConstantNoise(0.01), module_names=names).on_fit_start(_trainer([]), module)
+
+
+def test_no_signal_warning_sees_through_overlong_shaping():
+    """Every group flat on the task (a broken reward, say) while the length penalty separates its
+    completions: the trained rewards differ, the task signal is nil, and the warning's measure says so."""
+    module = _module()
+    tok = module.tokenizer
+    enc = lambda s: tok(s)["input_ids"]  # noqa: E731
+    script = {tuple(enc("x")): [enc("b"), enc("bbbb")], tuple(enc("y")): [enc("bb"), enc("bbb")]}
+    for dynamic in (True, False):
+        cb = RolloutCallback(reward=CharIsA(), group_size=2, sampling=SamplingSettings(max_new_tokens=4),
+                             dynamic_sampling=dynamic, max_refill_rounds=0, overlong_buffer=4)
+        cb.engine = ScriptedEngine(script)
+        batch = {"prompt_ids": [enc("x"), enc("y")], "prompts": ["x", "y"], "answers": ["-", "-"]}
+        cb.on_train_batch_start(_trainer([cb]), module, batch, 0)
+        r = batch["rollout"]
+        assert r.rewards.view(2, 2).std(-1).min() > 0  # shaped: no group's rewards are all equal
+        assert r.frac_task_zero_std() == 1.0
+
+
+def test_silent_failure_warnings_count_rollout_batches_and_ninety_percent_exactly():
+    """36 of 40 truncated is 90% (a float32 mean made it 0.8999999761 and the warning never fired)."""
+    from lightning_modules.step_metrics import mostly_truncated
+
+    truncated = torch.tensor([True] * 36 + [False] * 4)
+    assert float(truncated.float().mean()) < 0.9  # what the old comparison saw
+    assert mostly_truncated(truncated) and not mostly_truncated(truncated[1:])  # 36 of 40, 35 of 39
+    module = QeRLModule(model="tiny-qwen2", quantization="nvfp4", dtype="fp32", warn_after_steps=2)
+    module._world_size = lambda: 1
+    with pytest.warns(UserWarning, match=r"^>= 90% of completions hit max_new_tokens for 2 rollout batches"):
+        for _ in range(2):
+            module._warn_on_silent_failures(0.0, mostly_truncated(truncated))
+
+
+def test_training_at_temperature_zero_is_refused_and_an_empty_table_is_not_written():
+    with pytest.raises(ValueError, match="sampling.temperature must be > 0 for training"):
+        RolloutCallback(sampling=SamplingSettings(temperature=0.0))
+    module = _module()
+    enc = lambda s: module.tokenizer(s)["input_ids"]  # noqa: E731
+    cb = RolloutCallback(reward=CharIsA(), group_size=2, sampling=SamplingSettings(max_new_tokens=4),
+                         log_completions_every_n_steps=1, num_completions_to_log=0)
+    cb.engine = ScriptedEngine({tuple(enc("x")): [enc("a"), enc("b")]})
+    tables = []
+    cb._log_table = lambda *a: tables.append(a)
+    batch = lambda: {"prompt_ids": [enc("x")], "prompts": ["x"], "answers": ["-"]}  # noqa: E731
+    cb.on_train_batch_start(_trainer([cb]), module, batch(), 0)
+    assert tables == []
+    cb.num_to_log = 1  # the control: the same step writes one
+    cb.on_train_batch_start(_trainer([cb]), module, batch(), 0)
+    assert len(tables) == 1

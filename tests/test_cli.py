@@ -244,8 +244,8 @@ def test_silent_failures_warn(tmp_path, monkeypatch):
     with pytest.warns(UserWarning) as record:
         main(["fit", *_two_token_args(tmp_path, 1, ["--model.warn_after_steps=1"])])
     text = " | ".join(str(w.message) for w in record)
-    assert "reward std has been 0 in every group for 1 steps" in text, text
-    assert "hit max_new_tokens for 1 steps" in text, text
+    assert "reward std has been 0 in every group for 1 rollout batches" in text, text
+    assert "hit max_new_tokens for 1 rollout batches" in text, text
 
 
 def test_silent_failure_streak_survives_resume(tmp_path, monkeypatch):
@@ -257,7 +257,7 @@ def test_silent_failure_streak_survives_resume(tmp_path, monkeypatch):
     main(["fit", *args])
     ckpt = torch.load(tmp_path / "ckpt" / "last.ckpt", weights_only=False)
     assert ckpt["qerl_streaks"]["zero_std"] == 1
-    with pytest.warns(UserWarning, match="reward std has been 0 in every group for 2 steps"):
+    with pytest.warns(UserWarning, match="reward std has been 0 in every group for 2 rollout batches"):
         main(["fit", *args, "--trainer.max_steps=2", "--ckpt_path", "last"])
 
 

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from qerl.losses import groups_with_signal
 from qerl.settings_checks import require_numbers
 
 
@@ -245,6 +246,10 @@ class Rollout:
     # None: these rows are all that was generated
     all_lengths: torch.Tensor | None = None
     all_truncated: torch.Tensor | None = None
+    # the share of every generated group whose task rewards were all equal (no overlong shaping: a
+    # length penalty alone separates completions without any signal from the task); what the
+    # "no learning signal" warning watches. None: that of ``rewards``
+    sampled_frac_zero_std: float | None = None
 
     def mean_sampled_reward(self) -> float:
         """``sampled_reward``, or the mean of ``rewards`` when nothing was filtered out."""
@@ -253,6 +258,12 @@ class Rollout:
     def sampled_lengths(self) -> torch.Tensor:
         """Every generated completion's length in tokens (``all_lengths``, or these rows')."""
         return self.completion_mask.sum(-1) if self.all_lengths is None else self.all_lengths
+
+    def frac_task_zero_std(self) -> float:
+        """``sampled_frac_zero_std``, or the share of these rows' groups with all-equal rewards."""
+        if self.sampled_frac_zero_std is not None:
+            return self.sampled_frac_zero_std
+        return float(1.0 - groups_with_signal(self.rewards, self.group_size).float().mean())
 
     def sampled_truncated(self) -> torch.Tensor:
         """Every generated completion's truncation flag (``all_truncated``, or these rows')."""
