@@ -18,11 +18,32 @@ from typing import Literal
 
 import lightning as L
 import torch
+from lightning.pytorch.utilities import rank_zero_warn
 
 from qerl.seeding import resolve_seed, warn_if_seed_changed
-from qerl.aqn import ExponentialSchedule, MonitorState, NoiseController, attach_noisy_norms
+from qerl.aqn import ExponentialSchedule, MonitorState, NoiseController, attach_noisy_norms, controller_settings
 
 log = logging.getLogger(__name__)
+
+
+def unvisited_stages_message(controller: NoiseController, max_steps: int, updates_per_rollout: int) -> str | None:
+    """A warning when a staged schedule (or an adaptive controller's base) that follows
+    ``trainer.max_steps`` leaves stages unused: σ is set once per rollout batch, i.e. at every
+    ``updates_per_rollout``-th optimizer step, and a stage shorter than that (or than one step) can fall
+    between two batches -- the last one too, so sigma_end is never applied."""
+    staged = controller if getattr(controller, "num_stages", None) else getattr(controller, "base", None)
+    stages = getattr(staged, "num_stages", None)  # (the schedule itself, or the adaptive controller's base)
+    if not stages or max_steps is None or max_steps < 1 or getattr(staged, "max_steps", None) is not None:
+        return None  # (a schedule with its own max_steps may span several runs)
+    seen = {staged.stage(step, MonitorState(max_steps=max_steps)) for step in range(0, max_steps, updates_per_rollout)}
+    missing = sorted(set(range(stages)) - seen)
+    if not missing:
+        return None
+    return (f"AQN: the schedule's stages {missing} are never applied: with trainer.max_steps={max_steps} its "
+            f"{stages} stages last {max_steps / stages:g} optimizer steps each, and sigma is set once per rollout "
+            f"batch (every {updates_per_rollout} steps: updates_per_rollout)"
+            f"{'; sigma_end is not reached' if stages - 1 in missing else ''}: raise trainer.max_steps, lower "
+            "num_stages, or set the controller's max_steps")
 
 
 class AQNCallback(L.Callback):
@@ -72,12 +93,13 @@ class AQNCallback(L.Callback):
                 raise ValueError(f"AQNCallback.module_names={list(self.module_names)}: {err}") from err
         pl_module.aqn_apply_to = self.apply_to
         self.monitor.max_steps = max(1, trainer.max_steps)
-        staged = self.controller if getattr(self.controller, "num_stages", None) else getattr(self.controller, "base", None)
-        stages = getattr(staged, "num_stages", None)  # (the schedule itself, or the adaptive controller's base)
-        if stages and trainer.max_steps < stages and getattr(staged, "max_steps", None) is None:
-            log.warning("AQN: trainer.max_steps=%s is below the schedule's %d stages: every step is its "
-                        "own stage and sigma_end is not reached; set trainer.max_steps or the controller's "
-                        "max_steps", trainer.max_steps, stages)
+        updates = getattr(getattr(pl_module, "loss_settings", None), "updates_per_rollout", 1)
+        if message := unvisited_stages_message(self.controller, trainer.max_steps, updates):
+            log.warning(message)
+        if self.apply_to == "rollout" and getattr(getattr(pl_module, "loss_settings", None), "tis_cap", 0) is None:
+            rank_zero_warn("AQNCallback(apply_to: rollout) with model.loss.tis_cap: null: the rollout samples "
+                           "with noise, training runs without, and no importance weights correct the mismatch "
+                           "(set a tis_cap, e.g. 2.0, or apply_to: both)")
 
     def prepare_step(self, trainer, pl_module) -> None:
         """Set σ for the current global step (idempotent; the RolloutCallback calls it first)."""
@@ -145,8 +167,14 @@ class AQNCallback(L.Callback):
     def on_exception(self, trainer, pl_module, exception) -> None:
         self._noise_restore()  # a validation that raised: the next fit in this process trains with noise again
 
+    def settings(self) -> dict:
+        """What shapes the noise (saved with checkpoints, compared on resume)."""
+        return {"controller": controller_settings(self.controller), "apply_to": self.apply_to,
+                "module_names": list(self.module_names), "scale_precision": self.scale_precision}
+
     def state_dict(self) -> dict:
         return {
+            "settings": self.settings(),
             "controller": self.controller.state_dict(),
             "rewards": list(self.monitor.rewards),
             "entropies": list(self.monitor.entropies),
@@ -155,6 +183,11 @@ class AQNCallback(L.Callback):
 
     def load_state_dict(self, state_dict: dict) -> None:
         warn_if_seed_changed("AQNCallback (the noise draws)", state_dict.get("seed"), self.seed)
+        saved, now = state_dict.get("settings"), self.settings()
+        if saved is not None and saved != now:  # the config runs (as for the rollout settings); the curves change
+            changed = {k: (saved.get(k), v) for k, v in now.items() if saved.get(k) != v}
+            rank_zero_warn(f"AQNCallback: resumed with other noise settings than the checkpoint's "
+                           f"(checkpoint -> now): {changed}")
         self.controller.load_state_dict(state_dict.get("controller", {}))
         self.monitor.rewards = list(state_dict.get("rewards", []))
         self.monitor.entropies = list(state_dict.get("entropies", []))

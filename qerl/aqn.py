@@ -274,6 +274,19 @@ class OscillatingSchedule(NoiseController):
         self._prev_step = state.get("prev_step")
 
 
+def controller_settings(controller: NoiseController) -> dict:
+    """A controller's class and settings (its public numbers, texts and flags; not the state its
+    ``state_dict`` carries), a base controller's nested: what a resume compares."""
+    state = set(getattr(controller, "_STATE", ())) | {"last_decision"}
+    out: dict = {"class": type(controller).__name__}
+    for key, value in vars(controller).items():
+        if not key.startswith("_") and key not in state and isinstance(value, (bool, int, float, str, type(None))):
+            out[key] = value
+    if isinstance(getattr(controller, "base", None), NoiseController):
+        out["base"] = controller_settings(controller.base)
+    return out
+
+
 class AdaptiveNoise(NoiseController):
     """Closed loop: boost a base schedule's sigma when the reward plateaus or the entropy collapses.
 
@@ -346,6 +359,7 @@ class AdaptiveNoise(NoiseController):
         boosted = t < self.boost_until
         sigma = max(base, min(max(base * self.boost, self.sigma_min), self.sigma_max)) if boosted else base
         self.last_decision = {
+            **self.base.last_decision,  # (an oscillating base's reheat / bump)
             "plateau": float(boosted),
             # the applied factor; none exists where sigma_min lifts a zero base (then NaN, a gap in
             # the curve, and aqn/base_sigma 0 beside aqn/sigma shows what happened)

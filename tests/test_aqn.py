@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import warnings
 import io
 import math
 import string
@@ -245,7 +246,66 @@ def test_too_few_steps_for_the_stages_warns_unless_the_schedule_has_its_own_max_
         caplog.clear()
         with caplog.at_level("WARNING"):
             AQNCallback(controller=controller).on_fit_start(trainer, module)
-        assert ("below the schedule's 10 stages" in caplog.text) == warns, controller
+        assert ("stages [1, 3, 4, 6, 8, 9] are never applied" in caplog.text) == warns, controller
+
+
+def test_stages_shorter_than_a_rollout_batch_warn(caplog):
+    """sigma is set once per rollout batch: with updates_per_rollout 2, 8 steps and 5 stages of 1.6 steps,
+    the controller sees steps 0, 2, 4, 6 (stages 0-3) and the last stage, sigma_end, never comes."""
+    from types import SimpleNamespace
+
+    from callbacks import AQNCallback
+    from lightning_modules.settings import LossSettings
+
+    def warning(max_steps, updates, stages=5):
+        caplog.clear()
+        module = SimpleNamespace(noisy_norms=object(), loss_settings=LossSettings(updates_per_rollout=updates))
+        with caplog.at_level("WARNING"):
+            AQNCallback(controller=ExponentialSchedule(num_stages=stages)).on_fit_start(
+                SimpleNamespace(max_steps=max_steps), module)
+        return caplog.text
+    assert "stages [4] are never applied" in warning(8, 2) and "sigma_end is not reached" in warning(8, 2)
+    assert "stages [4] are never applied" in warning(16, 4)  # steps 0, 4, 8, 12: stages 0-3
+    assert "never applied" not in warning(8, 1) and "never applied" not in warning(20, 2)
+    # a middle stage between two batches (steps 0, 2, 4 of 5: stages 0, 1, 3 of 4); sigma_end does come
+    assert "stages [2] are never applied" in warning(5, 2, stages=4)
+    assert "sigma_end is not reached" not in warning(5, 2, stages=4)
+
+
+def test_apply_to_rollout_without_importance_weights_warns():
+    from types import SimpleNamespace
+
+    from callbacks import AQNCallback
+    from lightning_modules.settings import LossSettings
+
+    trainer = SimpleNamespace(max_steps=100)
+    for tis_cap, apply_to, warns in ((None, "rollout", True), (2.0, "rollout", False), (None, "both", False)):
+        module = SimpleNamespace(noisy_norms=object(), loss_settings=LossSettings(tis_cap=tis_cap))
+        with warnings.catch_warnings(record=True) as record:
+            warnings.simplefilter("always")
+            AQNCallback(apply_to=apply_to).on_fit_start(trainer, module)
+        assert any("no importance weights correct the mismatch" in str(w.message) for w in record) == warns
+
+
+def test_a_resume_with_other_noise_settings_warns():
+    from callbacks import AQNCallback
+
+    saved = AQNCallback(controller=ExponentialSchedule(sigma_start=1e-2, num_stages=5), seed=3).state_dict()
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        AQNCallback(controller=ExponentialSchedule(sigma_start=1e-2, num_stages=5), seed=3).load_state_dict(saved)
+    assert not [w for w in record if "noise settings" in str(w.message)]
+    with pytest.warns(UserWarning, match=r"other noise settings .*'sigma_start': 0.01.*'sigma_start': 0.05.*"
+                                         r"'apply_to': \('both', 'rollout'\)"):
+        AQNCallback(controller=ExponentialSchedule(sigma_start=5e-2, num_stages=5), seed=3,
+                    apply_to="rollout").load_state_dict(saved)
+
+
+def test_adaptive_noise_over_an_oscillating_base_logs_its_reheats():
+    ctl = AdaptiveNoise(base=OscillatingSchedule(period=4), window=2)
+    decisions = [(ctl.sigma(s, MonitorState(max_steps=12)), dict(ctl.last_decision))[1] for s in range(9)]
+    assert [d["reheat"] for d in decisions] == [0, 0, 0, 0, 1, 0, 0, 0, 1]
+    assert all("bump" in d and "plateau" in d for d in decisions)
 
 
 def test_callback_history_must_hold_the_adaptive_window():
