@@ -48,6 +48,15 @@ def min_over_ranks(trainer, value: int, device) -> int:
     return int(reduced.item())
 
 
+def every_rank_items(trainer, items: list) -> list:
+    """``items`` of every data-parallel rank, concatenated (``items`` itself in one process)."""
+    if getattr(trainer, "world_size", 1) <= 1:
+        return items
+    parts: list = [None] * trainer.world_size
+    torch.distributed.all_gather_object(parts, items)
+    return [item for part in parts for item in part]
+
+
 def batch_reaches_multiple(step: int, steps_per_batch: int, every: int) -> bool:
     """Whether a rollout batch starting at optimizer step ``step`` and taking ``steps_per_batch`` steps
     (``updates_per_rollout``) covers a multiple of ``every``: per-N-steps events then fire once per N
@@ -223,6 +232,8 @@ class RolloutCallback(L.Callback):
         sources = list(batch.get("sources") or [""] * len(prompt_ids))  # (per-source reward curves)
         target_groups = len(prompt_ids)
         in_step = set(zip(sources, batch.get("indices") or []))  # (source, index): refills pass over these
+        if self.dynamic_sampling and self.max_refill_rounds > 0:  # (on every rank alike: a collective)
+            in_step = set(every_rank_items(trainer, sorted(in_step)))  # DDP: the step is every rank's batch
         t0 = time.perf_counter()
         norm_scales = pl_module.noisy_norms.effective_scales() if pl_module.noisy_norms is not None else None
         self.engine.sync(pl_module.model, norm_scales)

@@ -349,8 +349,8 @@ class PromptDataModule(L.LightningDataModule):
 
         Drawn from a side stream seeded by ``(self.seed, seed)``, so the main stream and its
         resumable position are untouched and a resumed run draws the same extras. ``exclude``:
-        ``(source, index)`` of the prompts this step already has (its batch, earlier refills), passed
-        over while the data allows, so a prompt is not trained twice in one step. Under DDP every
+        ``(source, index)`` of the prompts this step already has (every rank's batch, this rank's
+        earlier refills), passed over while the data allows, so a prompt is not trained twice in one step. Under DDP every
         rank shuffles the same way and takes every ``world_size``-th prompt from its rank on: the
         ranks refill with different prompts (while the data allows), not W copies of the same ones."""
         examples, ids = self._prepared("train", "train")

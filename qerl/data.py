@@ -119,8 +119,8 @@ def _float_text(value: float) -> str:
     reads ``5e-05`` as e − 5), integers without ``.0``, and a float32 column's value by its own
     shortest digits (``123.44999694824219`` → ``123.45``). A finite value (`_as_text` skips the row
     of a NaN or an infinity, each with its own reason)."""
-    if value.is_integer():
-        return str(int(value))
+    if value.is_integer():  # (by its shortest digits: str(int(1e23)) is 99999999999999991611392)
+        return format(Decimal(repr(value)).to_integral_value(), "f") if value else "0"  # (-0.0: 0)
     text = repr(value)
     if _float32(value) == value:  # a float32 column widened to float64: its shortest float32 digits
         text = next(t for digits in range(1, 10) if _float32(float(t := f"{value:.{digits}g}")) == value)

@@ -65,8 +65,12 @@ def _int_or_text(digits: str) -> int | str:
 
 
 def _loads(text: str) -> Any:
-    """``json.loads``, with integers too long for ``int()`` kept as their digits (`_int_or_text`)."""
-    return json.loads(text, parse_int=_int_or_text)
+    """``json.loads``, with integers too long for ``int()`` kept as their digits (`_int_or_text`), and
+    nesting deeper than Python's recursion limit a JSONDecodeError (a RecursionError ended the load)."""
+    try:
+        return json.loads(text, parse_int=_int_or_text)
+    except RecursionError:
+        raise json.JSONDecodeError("nested too deeply", text, 0) from None
 
 
 def _json_error(text: str) -> json.JSONDecodeError | None:
@@ -192,8 +196,13 @@ def _read_directory(path: Path, split: str, config: str | None = None) -> Iterat
                 raise ValueError(f"{path}: no {split!r} split (its data files, {files[0].name}"
                                  f"{' ...' if len(files) > 1 else ''}, are one training set; give the file, or name "
                                  f"it {split}.jsonl)")
+            offset = 0  # rows numbered through the files: (source, index) names one row (DDP merge, refills)
             for f in files:
-                yield from _read_file(f)
+                count = 0
+                for index, where, row in _read_file(f):
+                    yield offset + index, where, row
+                    count = index + 1
+                offset += count
             return
     import datasets
 

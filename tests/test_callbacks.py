@@ -139,6 +139,21 @@ def test_refills_exclude_the_steps_prompts_and_earlier_refills():
     assert excluded == [{("s", 3)}, {("s", 3), ("s", 7)}]  # the batch's, then also the first refill's
 
 
+def test_refills_exclude_every_ranks_prompts_of_the_step(monkeypatch):
+    """Under DDP the step is every rank's batch: what the other ranks drew is passed over too."""
+    import callbacks.rollout as rollout_module
+
+    module, enc, cb = _scripted_dynamic_sampling({"x": ["b", "b"], "z": ["b", "b"]}, max_refill_rounds=1)
+    monkeypatch.setattr(rollout_module, "every_rank_items", lambda trainer, items: [*items, ("s", 5)])
+    excluded = []
+    extra = {"prompt_ids": [enc("z")], "prompts": ["z"], "answers": ["-"], "sources": ["s"], "indices": [7]}
+    trainer = _trainer([cb], extra)
+    trainer.datamodule.draw_extra = lambda n, seed, exclude: excluded.append(set(exclude)) or extra
+    batch = {"prompt_ids": [enc("x")], "prompts": ["x"], "answers": ["-"], "sources": ["s"], "indices": [3]}
+    cb.on_train_batch_start(trainer, module, batch, 0)
+    assert excluded == [{("s", 3), ("s", 5)}]
+
+
 def test_dynamic_sampling_counts_a_refills_surplus_as_dropped():
     """A refill draws a whole batch of prompts: mixed groups beyond the batch are generated but not
     trained on, and ``train/groups_dropped`` says so."""

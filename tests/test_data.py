@@ -609,10 +609,25 @@ def test_trainer_resume_continues_the_stream(tmp_path, tokenizer):
     (5e-05, "0.00005"),  # not "5e-05": math-verify reads that as e - 5
     (27.0, "27"), (-0.5, "-0.5"), (1e20, "100000000000000000000"),
     (float(torch.tensor(123.45, dtype=torch.float32)), "123.45"),  # a float32 parquet column
-    (0.1, "0.1"),
+    (0.1, "0.1"), (1e23, "100000000000000000000000"),  # (str(int(1e23)): the binary float's digits)
+    (-0.0, "0"),
 ])
 def test_numeric_answers_are_written_as_people_write_them(value, text):
     assert qdata._as_text(value) == text
+
+
+def test_json_nested_deeper_than_python_parses_is_one_bad_row(tmp_path, caplog):
+    """json.loads raised RecursionError (not a JSONDecodeError): the whole load ended in a traceback."""
+    deep = '{"question": "q2", "answer": "#### 2", "meta": ' + "[" * 100_000 + "]" * 100_000 + "}"
+    path = write_jsonl(tmp_path / "deep.jsonl", [GSM8K_ROWS[0], deep, GSM8K_ROWS[1]])
+    with caplog.at_level(logging.WARNING, logger="qerl.data"):
+        loaded = load_examples(path)
+    assert len(loaded) == 2 and loaded.num_skipped == 1
+    assert f"{path}:2: invalid JSON (nested too deeply" in caplog.text
+    as_json = tmp_path / "deep.json"
+    as_json.write_text("[" * 100_000 + "]" * 100_000)
+    with pytest.raises(ValueError, match="nested too deeply"):
+        load_examples(str(as_json))
 
 
 def test_a_nan_answer_is_an_empty_field(tmp_path, caplog):
@@ -794,6 +809,9 @@ def test_a_folder_of_data_files_reads_every_file_and_skips_bad_rows(tmp_path, ca
         loaded = load_examples(str(folder))
     assert [e.answer for e in loaded] == ["72", "1080", "-3"] and loaded.num_skipped == 1
     assert "a.jsonl:2" in caplog.text
+    # rows numbered through the folder: (source, index) names one row (a DDP evaluation's merge keeps
+    # one record per index; with each file from 0 it dropped half of them)
+    assert [e.index for e in loaded] == [0, 2, 3]
     with pytest.raises(ValueError, match="mixed: no 'test' split .*one training set"):
         load_examples(str(folder), split="test")
     with pytest.raises(ValueError, match="mixed:main: .*'main'"):  # datasets' errors name the folder

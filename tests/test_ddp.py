@@ -372,3 +372,29 @@ def test_ddp_reward_by_source_is_over_every_rank(tmp_path):
     assert logged and logged.keys() == sums.keys()
     for key, (total, count) in sums.items():
         assert logged[key] == pytest.approx(total / count, rel=1e-6), key
+
+
+def _gather_on_rank(rank: int, init_file: str, out: str) -> None:
+    from types import SimpleNamespace
+
+    import torch.distributed as dist
+
+    from callbacks.rollout import every_rank_items
+
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
+    got = every_rank_items(SimpleNamespace(world_size=2), [("s", rank), ("t", 10 + rank)])
+    torch.save(got, f"{out}{rank}.pt")
+    dist.destroy_process_group()
+
+
+def test_every_rank_items_gathers_the_ranks_prompts(tmp_path):
+    """DAPO refills pass over every rank's prompts of the step (the gradients are all-reduced: one step),
+    gathered by every_rank_items; in one process the items themselves."""
+    import torch.multiprocessing as mp
+
+    from callbacks.rollout import every_rank_items
+
+    assert every_rank_items(object(), [("s", 1)]) == [("s", 1)]
+    mp.spawn(_gather_on_rank, args=(str(tmp_path / "init"), str(tmp_path / "got")), nprocs=2)
+    for rank in (0, 1):
+        assert torch.load(tmp_path / f"got{rank}.pt") == [("s", 0), ("t", 10), ("s", 1), ("t", 11)]
