@@ -147,13 +147,15 @@ _INTEGER = re.compile(r"[-+]?\d+")
 # ----------------------------------------------------------------------------------------------
 
 
-def detect_layout(row: Mapping[str, Any]) -> str | None:
-    """``"gsm8k"`` / ``"math"`` from a row's keys, or None if neither matches."""
-    if "question" in row and "answer" in row:
-        answer = _as_text(row["answer"], "answer")
+def detect_layout(row: Mapping[str, Any], prompt_key: str | None = None, answer_key: str | None = None) -> str | None:
+    """``"gsm8k"`` / ``"math"`` from a row's keys, or None if neither matches; a given ``prompt_key`` /
+    ``answer_key`` stands for that layout's own name (``input`` + ``answer: "#### 5"``: gsm8k)."""
+    answer_field = answer_key or "answer"
+    if (prompt_key or "question") in row and answer_field in row:
+        answer = _as_text(row[answer_field], answer_field)
         if "####" in answer or _is_bare_answer(answer):  # GSM8K, or a short-answer set (AMC, AIME)
             return "gsm8k"
-    if "problem" in row and ("answer" in row or "solution" in row):
+    if (prompt_key or "problem") in row and (answer_field in row or (answer_key is None and "solution" in row)):
         return "math"
     return None
 
@@ -275,7 +277,7 @@ def load_examples(
             if resolved is None:
                 if not isinstance(row, Mapping):
                     raise _BadRow(f"expected a JSON object, got {type(row).__name__}")
-                resolved = detect_layout(row)
+                resolved = detect_layout(row, prompt_key, answer_key)
                 if resolved is None:
                     raise _BadRow(
                         f"cannot detect the layout from keys {sorted(row)}; expected question+answer"

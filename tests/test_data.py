@@ -108,6 +108,15 @@ def test_custom_layout_and_auto_failure(tmp_path):
         load_examples(path, layout="csv")
 
 
+def test_auto_layout_reads_one_overridden_key_as_that_layouts_own_name(tmp_path):
+    """layout auto with prompt_key alone: rows of `input` + a GSM8K answer were all skipped ("cannot
+    detect the layout"), though every layout honours the key overrides."""
+    gsm = write_jsonl(tmp_path / "gsm.jsonl", [{"input": "What is 2 + 3?", "answer": "Add them.\n#### 5"}])
+    assert [(e.prompt, e.answer) for e in load_examples(gsm, prompt_key="input")] == [("What is 2 + 3?", "5")]
+    math = write_jsonl(tmp_path / "math.jsonl", [{"problem": "Half of 1?", "sol": "It is \\boxed{\\frac12}."}])
+    assert [e.answer for e in load_examples(math, answer_key="sol")] == ["\\frac12"]
+
+
 def test_malformed_rows_are_skipped_and_counted(tmp_path, caplog):
     rows = [
         GSM8K_ROWS[0],
