@@ -96,6 +96,16 @@ def test_ddp_dynamic_sampling_ranks_keep_different_group_counts(tmp_path):
         assert logged["aqn_monitor_rewards"] == pytest.approx([0.3125, 0.3125]), logged["aqn_monitor_rewards"]
 
 
+def test_ddp_dynamic_sampling_with_refills_runs_in_step(tmp_path):
+    """Refill rounds under DDP: the ranks gather the step's prompts (a collective) before they refill,
+    each rank as often as its own groups need; the ranks end with the same LoRA."""
+    def refills(cfg):
+        for cb in cfg["trainer"]["callbacks"]:
+            if cb["class_path"].endswith("RolloutCallback"):
+                cb["init_args"].update(dynamic_sampling=True, max_refill_rounds=2)
+    _ddp_two_ranks(tmp_path, "cpu", "fp32", edit=refills, timeout=300)
+
+
 @TWO_RANKS
 def test_ddp_dapo_and_batch_std_normalise_over_all_ranks(tmp_path, accelerator, dtype):
     """dapo divides each rank's token sum by the global token count / W (DDP averages the ranks'
