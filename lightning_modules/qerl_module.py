@@ -10,7 +10,7 @@ bottom:
    (only with ``top_entropy_quantile < 1``), and reference log-probs with the adapter disabled and
    AQN noise off (only when ``kl_coef > 0``);
 3. ``updates_per_rollout`` optimizer steps, each accumulating gradients over micro-batches of the
-   clipped surrogate (separate low/high clip), k3 KL, optional entropy bonus, truncated importance
+   clipped surrogate (separate low/high clip), KL (``kl_estimator``), optional entropy bonus, truncated importance
    sampling against the sampler's log-probs, aggregated as grpo / bnpo / dapo / dr_grpo; then
    clip, step, schedule. Micro-batches hold completions of similar length (``group_by_length``)
    and every forward is cut to its own rows' extent, so padding costs little compute.

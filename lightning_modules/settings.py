@@ -54,7 +54,9 @@ class LossSettings:
             share of the rollout batch (e.g. 0.2: "Beyond the 80/20 rule"; TRL's top_entropy_quantile);
             the entropies are the pre-update policy's (one no-grad pass), so the chosen tokens stay the
             same over the K updates and for any micro_batch_size; normalizers and the KL term are
-            unchanged, as in TRL. 1.0 (default) trains on every token.
+            unchanged, as in TRL. With ``ratio_level: sequence`` the sequence ratio still averages every
+            token (TRL's too), so the kept tokens only weight their sequence's term and its gradient
+            reaches all of its tokens. 1.0 (default) trains on every token.
     """
 
     advantage_scale: Literal["group", "batch", "none"] = "group"
@@ -114,7 +116,8 @@ class OptimizerSettings:
         lr: peak learning rate.
         weight_decay: decoupled weight decay.
         betas: AdamW betas.
-        warmup_ratio: fraction of ``trainer.max_steps`` spent warming up linearly from 0.
+        warmup_ratio: fraction of ``trainer.max_steps`` spent warming up linearly: warmup step s of w
+            runs at (s + 1) / (w + 1) of ``lr`` (never at 0, which would waste the first rollout batch).
         schedule: shape after warmup: cosine to 0, linear to 0, or constant.
         max_grad_norm: gradient clipping threshold (total L2 norm).
     """
@@ -236,7 +239,9 @@ def lr_factor(step: int, total: int, warmup_ratio: float, schedule: str) -> floa
     warmup = math.floor(warmup_ratio * total + 1e-9)  # 0.29 * 100 = 28.999999999999996: 29 warmup steps
     if step < warmup:
         return (step + 1) / (warmup + 1)
-    progress = min(1.0, (step - warmup) / max(1, total - warmup))
+    # warmup_ratio 1.0 leaves no decay steps: a step past the end (a resume with a larger max_steps
+    # reads the new total, but a manual call may not) sits at the schedule's end, not back at the peak
+    progress = 1.0 if total <= warmup else min(1.0, (step - warmup) / (total - warmup))
     if schedule == "cosine":
         return 0.5 * (1.0 + math.cos(math.pi * progress))
     if schedule == "linear":

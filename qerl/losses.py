@@ -136,7 +136,8 @@ def overlong_penalty(
 # Per-token terms
 
 
-K3_KL_CAP = 10.0  # per-token cap of the k3 estimate (and of |ref - lp| inside it)
+K3_KL_CAP = 10.0  # per-token cap of the k3 estimate (verl's low_var_kl)
+K3_LOG_RATIO_CAP = 20.0  # |ref - lp| inside it (verl's too): exp(20) is finite in fp32 and bf16
 
 
 def k3_kl(logprobs: Tensor, ref_logprobs: Tensor) -> Tensor:
@@ -148,7 +149,7 @@ def k3_kl(logprobs: Tensor, ref_logprobs: Tensor) -> Tensor:
     overflows fp32 beyond ~88 nats, and one such token would make the loss inf and skip the whole
     update; a capped token contributes no gradient, the others train as usual.
     """
-    log_ratio = (ref_logprobs - logprobs).clamp(-K3_KL_CAP, K3_KL_CAP)  # (N, T); exp stays finite
+    log_ratio = (ref_logprobs - logprobs).clamp(-K3_LOG_RATIO_CAP, K3_LOG_RATIO_CAP)  # (N, T); exp stays finite
     return (torch.exp(log_ratio) - log_ratio - 1.0).clamp(max=K3_KL_CAP)
 
 

@@ -147,6 +147,17 @@ def test_k3_is_capped_so_one_far_token_does_not_make_the_loss_inf():
     assert_close(lp.grad, t([[0.0, 0.39346934]]))
 
 
+def test_k3_far_below_the_reference_follows_verl_low_var_kl():
+    # ref - lp = -10.5: k3 = e^-10.5 + 10.5 - 1 = 9.5000275 (under the cap, gradient 1 - e^-10.5);
+    # ref - lp = -30: the log-ratio is clamped at -20 and the value capped at 10, as verl's low_var_kl
+    lp = t([[-1.0, -1.0]]).requires_grad_()
+    ref = t([[-11.5, -31.0]])
+    kl = k3_kl(lp, ref)
+    assert_close(kl, t([[math.exp(-10.5) + 9.5, K3_KL_CAP]]))
+    kl.sum().backward()
+    assert_close(lp.grad, t([[1 - math.exp(-10.5), 0.0]]))
+
+
 # ------------------------------------------------------------------------------------------------
 # truncated_is_weights
 

@@ -556,6 +556,10 @@ def test_lr_factor_by_hand():
     assert lr_factor(28, 100, 0.29, "cosine") == pytest.approx(29 / 30)
     assert lr_factor(29, 100, 0.29, "cosine") == 1.0
     assert lr_factor(2, 20, 0.1, "cosine") == 1.0  # 0.1 * 20 = 2.0000000000000004: 2 steps, not 3
+    # warmup over the whole run: the ramp ends below the peak, and a step past the end stays at the schedule's end
+    assert lr_factor(9, 10, 1.0, "cosine") == pytest.approx(10 / 11)
+    assert lr_factor(10, 10, 1.0, "cosine") == pytest.approx(0.0)
+    assert lr_factor(10, 10, 1.0, "constant") == 1.0
 
 
 _NAN, _INF = float("nan"), float("inf")
