@@ -54,6 +54,16 @@ _NOT_UNITS = frozenset(
     + "not no nor never neither none wrong incorrect false".split())
 
 
+# A degree sign, `°` or `\degree` (a `^` before it included), as MATH's golds write it: `^{\circ}`. math-verify 0.9 reads
+# a box's `30°` as a string and `(3, 90°)` as 90, its last number; `30^{\circ}` is 30 and `(3, 90^{\circ})` the pair.
+_DEGREE_RE = re.compile(r"(?:\^\s*)?(?:°|\\degree(?![A-Za-z]))")
+
+
+def degrees_as_circ(text: str) -> str:
+    """``text`` with each degree sign written ``^{\\circ}`` (``30°``, ``30\\degree`` → ``30^{\\circ}``)."""
+    return _DEGREE_RE.sub(r"^{\\circ}", text)
+
+
 # Boxes that math-verify 0.9 leaves as strings although their `$content$` is the number.
 _LOOSE_BOX_RE = re.compile(rf"%|\\(?:{_TEXT_MACROS}|operatorname|unit)(?![a-z])")
 

@@ -43,7 +43,7 @@ from qerl.answers import (  # noqa: F401
 from qerl.deadline import call_with_deadline as _deadline
 from qerl.math_parsing import (  # noqa: F401 (re-exported)
     _DIGIT_SEP_RE, _MAX_POWER_LOG10, _SPACE_SEP_RE, _is_multi_valued, _parse_gold, _parse_pred, _same_text,
-    _text_number, has_expression, has_huge_power, is_bare_math, lists_several_values, parse_hash_line,
+    _text_number, degrees_as_circ, has_expression, has_huge_power, is_bare_math, lists_several_values, parse_hash_line,
     starts_with_relation)
 from qerl.reward_function import RewardFunction, _warn_limited
 
@@ -182,6 +182,8 @@ class MathAccuracy(RewardFunction):
                 return None
         if boxed is not None:  # a plain space as the separator, only in the answer itself (`\boxed{12 345}`)
             boxed = _SPACE_SEP_RE.sub("", boxed)
+            if line is None:  # `30°` as the gold's `30^\circ` (a `####` line's `-5 °C` is read as text: `parse_hash_line`)
+                boxed = degrees_as_circ(boxed)
             if len(boxed) > limit:  # no answer is that long, and parsing it is what the cap prevents
                 return None
         # Re-box the extracted content so math-verify sees exactly the last box (its boxed regex
@@ -218,7 +220,7 @@ class MathAccuracy(RewardFunction):
             return 0.0
         text, boxed, pred_text, hash_line = prediction
         limit = self.max_chars if self.max_chars > 0 else len(text)
-        gold = _SPACE_SEP_RE.sub("", _DIGIT_SEP_RE.sub("", normalize_digits(gold)))
+        gold = degrees_as_circ(_SPACE_SEP_RE.sub("", _DIGIT_SEP_RE.sub("", normalize_digits(gold))))
 
         # a gold with unit words (`5 dollars`, `\text{5 cm}`: custom sets) is its number, as a
         # prediction's box is; math-verify alone reads `5 dollars` as 5*a*do*l*l*r*s
@@ -259,7 +261,7 @@ class MathAccuracy(RewardFunction):
                 return True
             # A multi-answer gold (`1, -2`, `3 \pm 2\sqrt{2}`) is often boxed one value at a time:
             # then all boxes together are the answer (a set; extra or hedged values still fail).
-            boxes = [_SPACE_SEP_RE.sub("", b) for b in boxed_answers(text)] if boxed is not None else []
+            boxes = [degrees_as_circ(_SPACE_SEP_RE.sub("", b)) for b in boxed_answers(text)] if boxed is not None else []
             if len(boxes) < 2 or not _is_multi_valued(gold_text):
                 return False
             joined = ", ".join(boxes)

@@ -444,6 +444,22 @@ def test_boxed_decimal_percent_is_its_number(acc: MathAccuracy, completion: str,
     assert acc([completion], [gold]) == [expected]
 
 
+# MATH-500 writes 25 of its golds in degrees, `30^\circ`; models also write `30°`, `30^{\circ}`, `30\degree`.
+@pytest.mark.parametrize("completion, gold, expected", [
+    (r"Since the triangle is equilateral, $\angle ABC = \boxed{60°}$.", r"60^\circ", 1.0),  # (a string to math-verify)
+    (r"Hence the angle measures $\boxed{30^{\circ}}$.", r"30^\circ", 1.0),
+    (r"Hence the angle measures $\boxed{30\degree}$.", r"30^\circ", 1.0),
+    (r"\boxed{30 °}", r"30^\circ", 1.0),
+    (r"\boxed{31°}", r"30^\circ", 0.0),
+    (r"The point is $\boxed{(3, 90°)}$.", r"(3, 90^\circ)", 1.0),  # math-verify read `(3, 90°)` as 90, its last number
+    (r"The point is $\boxed{(3, 90°)}$.", "90", 0.0),
+    (r"$\boxed{45°}$ and $\boxed{135°}$", r"45^\circ, 135^\circ", 1.0),  # boxed one value at a time
+    (r"\boxed{30}", "30°", 1.0),  # a gold's degree sign is read the same way
+])
+def test_degree_signs(acc: MathAccuracy, completion: str, gold: str, expected: float) -> None:
+    assert acc([completion], [gold]) == [expected]
+
+
 @pytest.mark.parametrize("completion, answer", [
     (NATALIA + "72 clips!", "72"),  # the number read as text
     (NATALIA + "3 days = 72 hours", "72"),
