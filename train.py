@@ -327,21 +327,23 @@ def cli_entry() -> None:
     """``main()`` for the shell: a bad value, a missing file, an unknown model path, a setting the
     machine cannot run (a GPU recipe on a CPU box) or a run that diverged (``TrainingDiverged``) is one
     line on stderr (exit 2) instead of a long traceback; ``QERL_TRACEBACK=1`` shows the traceback. A SIGTERM (a scheduler's preemption) stops
-    after the current rollout batch, saves ``last`` and exits 143, not 0."""
+    after the current rollout batch, saves ``last`` and exits 143, not 0; a first Ctrl-C in fit does the
+    same and exits 130 (``callbacks.checkpoint.CtrlCStopsAfterTheBatch``)."""
     try:
         main()
     except SIGTERMException as err:
         if os.environ.get("RANK", os.environ.get("LOCAL_RANK", "0")) == "0":  # once, not per DDP rank
             fit, step = "fit" in sys.argv[1:2], getattr(err, "qerl_validation_step", None)
+            stopper = getattr(err, "qerl_signal", "SIGTERM")
             if fit and step is not None:  # (callbacks.checkpoint.StepCheckpoint)
-                print(f"stopped by SIGTERM inside the validation at step {step}: nothing saved, and a resume from "
+                print(f"stopped by {stopper} inside the validation at step {step}: nothing saved, and a resume from "
                       f"a checkpoint of step {step} continues after that evaluation (`python train.py validate "
                       f"--ckpt_path <its file>` recomputes it); resume with --ckpt_path last", file=sys.stderr)
             else:
-                print("stopped by SIGTERM" + (" after a complete rollout batch (saved as `last` where the config saves "
+                print(f"stopped by {stopper}" + (" after a complete rollout batch (saved as `last` where the config saves "
                                               "last checkpoints): resume with --ckpt_path last" if fit else ""),
                       file=sys.stderr)
-        sys.exit(143)
+        sys.exit(130 if getattr(err, "qerl_signal", None) == "Ctrl-C" else 143)
     except (ValueError, OSError, ModuleNotFoundError, MisconfigurationException, TrainingDiverged,
             NonFiniteLogits) as err:
         if os.environ.get("QERL_TRACEBACK", "0") == "1":

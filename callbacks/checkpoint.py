@@ -13,9 +13,12 @@ from __future__ import annotations
 
 import glob
 import os
+import signal
+import sys
+import threading
 
 import torch
-from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lightning.pytorch.utilities import rank_zero_warn
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
@@ -78,3 +81,46 @@ class StepCheckpoint(ModelCheckpoint):
 def use_step_checkpoints(callbacks: list) -> None:
     """Every plain ``ModelCheckpoint`` in ``callbacks`` becomes a ``StepCheckpoint``, in place."""
     adopt_subclass(callbacks, ModelCheckpoint, StepCheckpoint)
+
+
+class CtrlCStopsAfterTheBatch(Callback):
+    """During fit, a first Ctrl-C does what a SIGTERM does: the fit stops after the current rollout
+    batch and ``StepCheckpoint`` saves ``last`` (Lightning's own KeyboardInterrupt lands anywhere, mid
+    update, and saved nothing: every step since the last periodic checkpoint was lost). A second
+    Ctrl-C aborts at once, saving nothing. The exception carries ``qerl_signal = "Ctrl-C"`` for the
+    CLI's message (``train.cli_entry``). Installed only in the main thread (``signal`` allows no other)."""
+
+    def __init__(self) -> None:
+        self._previous = None
+        self._trainer = None
+        self.pressed = False
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        if threading.current_thread() is threading.main_thread():
+            self._trainer, self.pressed = trainer, False
+            self._previous = signal.signal(signal.SIGINT, self._on_ctrl_c)
+
+    def _on_ctrl_c(self, signum, frame) -> None:
+        if self.pressed:
+            self._restore()
+            raise KeyboardInterrupt
+        self.pressed = True
+        # the flag a SIGTERM sets (Lightning's signal connector); the training loop checks it after each
+        # batch, and under DDP rank 0's is broadcast to every rank
+        self._trainer._signal_connector.received_sigterm = True
+        if self._trainer.is_global_zero:
+            print("\nCtrl-C: stopping after this rollout batch and saving `last` where the config saves last "
+                  "checkpoints (Ctrl-C again stops now and saves nothing)", file=sys.stderr, flush=True)
+
+    def _restore(self) -> None:
+        if self._previous is not None:
+            signal.signal(signal.SIGINT, self._previous)
+            self._previous = None
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        self._restore()
+
+    def on_exception(self, trainer, pl_module, exception: BaseException) -> None:
+        self._restore()
+        if self.pressed and isinstance(exception, SIGTERMException):
+            exception.qerl_signal = "Ctrl-C"

@@ -169,8 +169,9 @@ class QeRLModule(PolicyForwardMixin, ResumeMixin, EvaluationMixin, StepMetricsMi
     def configure_callbacks(self):
         """Lightning's summary prints params x 4 B as the model size; this one the real bytes (NVFP4 packed).
         Checkpoint files are named by the optimizer step they hold (see ``callbacks/checkpoint.py``).
-        Warns when a checkpoint interval or max_steps does not fit (see :func:`step_count_warnings`)."""
-        from callbacks.checkpoint import use_step_checkpoints
+        Warns when a checkpoint interval or max_steps does not fit (see :func:`step_count_warnings`).
+        A first Ctrl-C in fit stops after the rollout batch and saves ``last``, as a SIGTERM does."""
+        from callbacks.checkpoint import CtrlCStopsAfterTheBatch, use_step_checkpoints
         from callbacks.summary import replace_default_progress_bar, replace_default_summary
 
         replace_default_summary(self.trainer.callbacks)
@@ -179,7 +180,7 @@ class QeRLModule(PolicyForwardMixin, ResumeMixin, EvaluationMixin, StepMetricsMi
         for message in step_count_warnings(self.trainer.callbacks, self.loss_settings.updates_per_rollout,
                                            self.trainer.max_steps):
             rank_zero_warn(message)
-        return []
+        return [CtrlCStopsAfterTheBatch()]
 
     def trainable_parameters(self) -> list[torch.nn.Parameter]:
         return [p for p in self.model.parameters() if p.requires_grad]
@@ -188,8 +189,9 @@ class QeRLModule(PolicyForwardMixin, ResumeMixin, EvaluationMixin, StepMetricsMi
         s = self.optim_settings
         opt = torch.optim.AdamW(param_groups(self.trainable_parameters(), s.weight_decay), lr=s.lr, betas=tuple(s.betas))
         if self.trainer is None or self.trainer.max_steps <= 0:
-            raise ValueError("set trainer.max_steps: the prompt stream is endless, and the LR schedule and the AQN "
-                             "stages are laid out over max_steps optimizer steps")
+            got = None if self.trainer is None else self.trainer.max_steps
+            raise ValueError(f"trainer.max_steps must be >= 1 for fit (got {got}): the prompt stream is endless, and "
+                             "the LR schedule and the AQN stages are laid out over max_steps optimizer steps")
         total = self.trainer.max_steps
         sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: lr_factor(step, total, s.warmup_ratio, s.schedule))
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}

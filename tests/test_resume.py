@@ -220,6 +220,44 @@ def test_sigterm_stops_after_the_batch_and_saves_last(tmp_path, monkeypatch):
     assert stopped.value.qerl_validation_step == 2
 
 
+def test_first_ctrl_c_stops_after_the_batch_and_saves_last(tmp_path, monkeypatch):
+    """Ctrl-C in fit: the first stops after the current rollout batch with `last` saved (the
+    exception says Ctrl-C, for the CLI's exit 130); a second aborts at once; the handler is removed after."""
+    import os
+    import signal
+
+    import lightning as L
+    from lightning.pytorch.utilities.exceptions import SIGTERMException
+
+    class CtrlCAtStep2(L.Callback):
+        def __init__(self, times):
+            self.times = times
+
+        def on_train_batch_start(self, trainer, *args):  # before the rollout: the batch still runs whole
+            if trainer.global_step == 2:
+                for _ in range(self.times):
+                    os.kill(os.getpid(), signal.SIGINT)
+
+    before = signal.getsignal(signal.SIGINT)
+    monkeypatch.chdir(tmp_path)
+    cli = main(fast_args(tmp_path, 6), run=False)
+    cli.trainer.checkpoint_callback._every_n_train_steps = 100  # no periodic save: `last` comes from the Ctrl-C
+    cli.trainer.callbacks.append(CtrlCAtStep2(1))
+    with pytest.raises(SIGTERMException) as stopped:
+        cli.trainer.fit(cli.model, datamodule=cli.datamodule)
+    assert stopped.value.qerl_signal == "Ctrl-C"
+    assert torch.load(tmp_path / "ckpt" / "last.ckpt", weights_only=False)["global_step"] == 3
+    assert signal.getsignal(signal.SIGINT) is before
+
+    cli = main(fast_args(tmp_path / "twice", 6), run=False)
+    cli.trainer.checkpoint_callback._every_n_train_steps = 100
+    cli.trainer.callbacks.append(CtrlCAtStep2(2))
+    with pytest.raises(SystemExit):  # Lightning's KeyboardInterrupt path: "graceful shutdown", exit 1
+        cli.trainer.fit(cli.model, datamodule=cli.datamodule)
+    assert not (tmp_path / "twice" / "ckpt" / "last.ckpt").exists()
+    signal.signal(signal.SIGINT, before)  # (Lightning's KeyboardInterrupt path leaves SIGINT ignored)
+
+
 def test_validate_a_checkpoint_is_labelled_with_its_step(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     main(["fit", *fast_args(tmp_path / "fit", 2)])
@@ -296,9 +334,10 @@ def test_norm_scales_get_no_weight_decay_and_old_one_group_states_still_load():
 
 
 @pytest.mark.parametrize("in_validation", [False, True])
-def test_sigterm_message_says_what_was_saved(monkeypatch, capsys, in_validation):
+@pytest.mark.parametrize("ctrl_c", [False, True])
+def test_sigterm_message_says_what_was_saved(monkeypatch, capsys, in_validation, ctrl_c):
     """The CLI's line on a SIGTERM: `last` after a rollout batch, nothing (and how to recover the
-    evaluation) inside a validation; exit 143 either way."""
+    evaluation) inside a validation; exit 143 either way (130 and "Ctrl-C" for a first Ctrl-C)."""
     import train
     from lightning.pytorch.utilities.exceptions import SIGTERMException
 
@@ -306,13 +345,16 @@ def test_sigterm_message_says_what_was_saved(monkeypatch, capsys, in_validation)
         err = SIGTERMException()
         if in_validation:
             err.qerl_validation_step = 10
+        if ctrl_c:
+            err.qerl_signal = "Ctrl-C"
         raise err
     monkeypatch.setattr(train, "main", stopped)
     monkeypatch.setattr("sys.argv", ["train.py", "fit", "--config", "x.yaml"])
     with pytest.raises(SystemExit) as code:
         train.cli_entry()
-    assert code.value.code == 143
+    assert code.value.code == (130 if ctrl_c else 143)
     err = capsys.readouterr().err
+    assert ("stopped by Ctrl-C" if ctrl_c else "stopped by SIGTERM") in err
     if in_validation:
         assert "inside the validation at step 10: nothing saved" in err and "validate --ckpt_path" in err
     else:
