@@ -12,7 +12,7 @@ import re
 from functools import lru_cache
 
 import math_verify
-from sympy import Basic, MatrixBase
+from sympy import Basic, MatrixBase, Number
 
 from qerl.answers import _BOX_RE, starts_with_relation  # noqa: F401 (re-exported)
 
@@ -151,6 +151,15 @@ _LATEX_COMMAND_RE = re.compile(r"\\[A-Za-z]+")
 # LaTeX whose braces hold words that are markup, not prose: `\text{ degrees}`, `\begin{pmatrix}`
 _LATEX_WORDS_RE = re.compile(rf"\\(?:{_TEXT_MACROS}|operatorname|begin|end)\s*\{{[^{{}}]*\}}")
 _WORD_RE = re.compile(r"(?<![A-Za-z])[A-Za-z]{2,}")
+# Two numbers with words between them (commands aside): `2 hours and 30 minutes`, `5 feet 6 inches`.
+_WORDS_BETWEEN_NUMBERS_RE = re.compile(r"\d\s*[A-Za-z][A-Za-z\s,;]*\d")
+
+
+def _is_compound_quantity(boxed: str) -> bool:
+    """Whether a box holds two numbers with ``\\text{}`` words between them (``2\\text{ hours and }30\\text{ minutes}``,
+    ``5 \\text{ feet } 6 \\text{ inches}``): a quantity in mixed units, which math-verify reads as its first number."""
+    unwrapped = _TEXT_RE.sub(r" \1 ", boxed)
+    return unwrapped != boxed and _WORDS_BETWEEN_NUMBERS_RE.search(_LATEX_COMMAND_RE.sub("#", unwrapped)) is not None
 
 
 def is_bare_math(text: str) -> bool:
@@ -200,6 +209,8 @@ def _parse_cached(text: str, boxed: str | None) -> tuple:
         bare = strip_end_punctuation(boxed)  # one sentence mark inside the box: `\boxed{18.}`
         if bare and bare != boxed:
             parsed = parsed + math_verify.parse("\\boxed{" + bare + "}", parsing_timeout=None)
+    if any(isinstance(p, Number) for p in parsed) and _is_compound_quantity(boxed):
+        return ()  # `2 hours and 30 minutes` is not 2 (a list, `3 \text{ and } 4`, is read as one)
     number = _text_number(boxed) or _percent_number(boxed)
     if number is not None:
         parsed = parsed + math_verify.parse(f"${number}$", parsing_timeout=None)

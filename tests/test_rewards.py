@@ -460,6 +460,21 @@ def test_degree_signs(acc: MathAccuracy, completion: str, gold: str, expected: f
     assert acc([completion], [gold]) == [expected]
 
 
+# A quantity in mixed units is none of its numbers: math-verify read each box below as its first number.
+@pytest.mark.parametrize("completion, gold, expected", [
+    (r"The trip takes $\boxed{2\text{ hours and }30\text{ minutes}}$.", "2", 0.0),
+    (r"He is $\boxed{5 \text{ feet } 6 \text{ inches}}$ tall.", "5", 0.0),
+    (r"\boxed{1 \text{ hour}, 30 \text{ minutes}}", "1", 0.0),
+    (r"\boxed{18 \text{ dollars per hour for } 5 \text{ hours}}", "18", 0.0),
+    (r"\boxed{3 \text{ and } 4}", "3, 4", 1.0),  # two values, read as a list, answer a gold with two
+    (r"\boxed{15\text{ cm}^2}", "15", 1.0),  # one number and its unit still is that number
+    (r"\boxed{2\text{nd}}", "2", 1.0),
+])
+def test_compound_quantities_are_not_their_first_number(acc: MathAccuracy, completion: str, gold: str,
+                                                        expected: float) -> None:
+    assert acc([completion], [gold]) == [expected]
+
+
 @pytest.mark.parametrize("completion, answer", [
     (NATALIA + "72 clips!", "72"),  # the number read as text
     (NATALIA + "3 days = 72 hours", "72"),
