@@ -172,6 +172,30 @@ def _write_rest(model: nn.Module, tokenizer: PreTrainedTokenizerBase | None, out
         export_adapter(model, out / ADAPTER_SUBDIR)
 
 
+_TOKENIZER_PROBE = "What is 6 + 6?\nThe answer is \\boxed{12}.  Done"
+
+
+def warn_if_auto_tokenizer_differs(tokenizer: PreTrainedTokenizerBase, out: Path) -> bool:
+    """Warn (and return True) when ``AutoTokenizer.from_pretrained(out)`` encodes text differently from
+    ``tokenizer``: transformers 5 rebuilds a Qwen2 model's tokenizer as its own class from the vocab and
+    merges alone, which keeps a real Qwen tokenizer intact but drops the spaces and newlines of a
+    tokenizer with another pipeline (qerl's tiny test models); ``PreTrainedTokenizerFast`` reads
+    tokenizer.json as written (qerl's ``load_tokenizer`` does so for such folders)."""
+    from transformers import AutoTokenizer
+
+    try:
+        reloaded = AutoTokenizer.from_pretrained(str(out))
+        same = reloaded(_TOKENIZER_PROBE)["input_ids"] == tokenizer(_TOKENIZER_PROBE)["input_ids"]
+    except Exception as err:  # a loader that fails here fails for the user too: say so, keep the export
+        log.warning("AutoTokenizer.from_pretrained(%s) fails (%s: %s); PreTrainedTokenizerFast.from_pretrained "
+                    "reads its tokenizer.json as written", out, type(err).__name__, err)
+        return True
+    if not same:
+        log.warning("AutoTokenizer.from_pretrained(%s) builds a %s that encodes text differently from the tokenizer "
+                    "trained with (%s): load it with PreTrainedTokenizerFast.from_pretrained(%s) (qerl's load_tokenizer does)", out, type(reloaded).__name__, type(tokenizer).__name__, out)
+    return not same
+
+
 def export_nvfp4(model: nn.Module, tokenizer: PreTrainedTokenizerBase | None, out_dir: str | Path,
                  dtype: str | torch.dtype = "bf16", max_shard_bytes: int = MAX_SHARD_BYTES) -> Path:
     """Write a compressed-tensors NVFP4A16 checkpoint of ``model`` (plain HF or peft-wrapped; its

@@ -31,7 +31,7 @@ from qerl.adapter import (
     DEQUANTIZED_BASE_FILE, checkpoint_base, is_dequantized_base, load_adapter, read_base, read_dequantized_base, same_model,
     write_dequantized_base,
 )
-from qerl.export import ADAPTER_SUBDIR, export_bf16, export_nvfp4
+from qerl.export import ADAPTER_SUBDIR, export_bf16, export_nvfp4, warn_if_auto_tokenizer_differs
 from qerl.model import BASE_NORMS_DIR, BASE_NORMS_FILE, base_norm_scales, load_policy
 from qerl.tiny import TINY_MODEL_NAMES
 
@@ -374,5 +374,6 @@ def main(argv: list[str] | None = None) -> Path:
         out = _replace_export(Path(args.out), write)
     except OSError as err:  # (a folder the checks cannot see is read-only, /proc; a full disk)
         parser.error(f"cannot write --out {args.out}: {' '.join(str(err).split())}")
+    warn_if_auto_tokenizer_differs(tokenizer, out)  # (a tiny test model's: AutoTokenizer drops its spaces)
     print(out)
     return out

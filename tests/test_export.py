@@ -398,6 +398,15 @@ def test_cli(tmp_path):
                           "--out", str(tmp_path / "nvfp4")], cwd=ROOT, env=env, capture_output=True, text=True,
                          timeout=120)
     assert run.returncode == 0, run.stderr[-2000:]
+    # the tiny test tokenizer is not what transformers 5's AutoTokenizer rebuilds for a qwen2 config: said,
+    # with the loader that reads it as written (a real Qwen tokenizer passes the same check silently)
+    assert "PreTrainedTokenizerFast.from_pretrained" in run.stderr
+    from transformers import PreTrainedTokenizerFast
+
+    text = "What is 6 + 6?\nThe answer is \\boxed{12}."
+    exported = PreTrainedTokenizerFast.from_pretrained(tmp_path / "nvfp4")
+    assert exported.decode(exported(text)["input_ids"]) == load_tokenizer("tiny-qwen2").decode(
+        load_tokenizer("tiny-qwen2")(text)["input_ids"])
     config = json.loads((tmp_path / "nvfp4" / "config.json").read_text())
     assert config["quantization_config"]["format"] == "nvfp4-pack-quantized"
     assert any(k.endswith("weight_packed") for k in load_file(tmp_path / "nvfp4" / "model.safetensors"))
@@ -766,3 +775,16 @@ def test_same_model_reads_paths_not_strings(tmp_path, monkeypatch):
     assert same_model("models/m", str(tmp_path / "models" / "m"))
     assert same_model("models/m/model.gguf", "models/m")  # peft records a .gguf's folder
     assert not same_model("models/m", "models/other") and not same_model("tiny-qwen2", "tiny-llama")
+
+
+def test_auto_tokenizer_check_warns_only_where_it_rebuilds_another_tokenizer(tmp_path, caplog):
+    """AutoTokenizer keeps tiny-llama's tokenizer (silent) and rebuilds tiny-qwen2's as a Qwen2Tokenizer
+    without its spaces (warned, naming the loader that reads tokenizer.json as written)."""
+    from qerl.export import warn_if_auto_tokenizer_differs
+
+    for name, differs in (("tiny-llama", False), ("tiny-qwen2", True)):
+        model, tokenizer = load_policy(name, "bf16", None)
+        export_bf16(model, tokenizer, tmp_path / name)
+        caplog.clear()
+        assert warn_if_auto_tokenizer_differs(tokenizer, tmp_path / name) is differs
+        assert ("PreTrainedTokenizerFast.from_pretrained" in caplog.text) is differs
