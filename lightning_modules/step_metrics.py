@@ -113,7 +113,8 @@ class StepMetricsMixin:
         n = self.warn_after_steps
         if self._streaks["zero_std"] == n:
             rank_zero_warn(f"reward std has been 0 in every group for {n} rollout batches: no learning signal "
-                           "(check the reward function, answers, and max_new_tokens)")
+                           "from the task rewards (before any overlong shaping; check the reward function, answers, "
+                           "and max_new_tokens)")
         if self._streaks["truncated"] == n:
             rank_zero_warn(f">= 90% of completions hit max_new_tokens for {n} rollout batches: raise max_new_tokens "
                            "or check the stop tokens")
