@@ -267,11 +267,36 @@ class QeRLCLI(LightningCLI):
             check_ckpt_path(subcommand, config.get("ckpt_path"), checkpoint_dirs(config))
 
 
+# what a logger's version folder holds before the first batch: TensorBoard's event file, the configs
+_STARTUP_LOG_FILES = re.compile(r"events\.out\.tfevents\..*|config(-\d+)?\.yaml|hparams\.yaml")
+
+
 class SaveRunConfig(SaveConfigCallback):
     """The run's config next to its logs. With a logger every run has its own ``version_N`` folder;
     without one (``trainer.logger: false``) runs share the working directory, so a second run writes
     ``config-1.yaml`` instead of replacing the first run's ``config.yaml`` (as its adapter and
-    reports get ``-1`` names)."""
+    reports get ``-1`` names). A run that fails before its first batch (a wrong model path, a missing
+    data file) removes the version folder it made, which would show in TensorBoard as an empty run."""
+
+    batch_started = False
+
+    def on_train_batch_start(self, *args) -> None:
+        self.batch_started = True
+
+    on_validation_batch_start = on_test_batch_start = on_train_batch_start
+
+    def on_exception(self, trainer, pl_module, exception: BaseException) -> None:
+        log_dir = trainer.log_dir if trainer.logger is not None else None
+        if self.batch_started or not trainer.is_global_zero or not log_dir or not os.path.isdir(log_dir):
+            return
+        if os.path.realpath(log_dir) == os.path.realpath(os.getcwd()):
+            return  # (a logger writing into the working directory: never remove that)
+        names = os.listdir(log_dir)
+        if all(_STARTUP_LOG_FILES.fullmatch(n) and os.path.isfile(os.path.join(log_dir, n)) for n in names):
+            for name in names:
+                os.remove(os.path.join(log_dir, name))
+            os.rmdir(log_dir)
+            logging.getLogger("qerl").info(f"removed {log_dir}: the run stopped before its first batch")
 
     def setup(self, trainer, pl_module, stage: str) -> None:
         if not self.already_saved and self.save_to_log_dir and trainer.logger is None:

@@ -183,6 +183,16 @@ def test_fit_without_a_rollout_callback_is_a_clear_error(tmp_path, monkeypatch):
         main(["fit", *args])
 
 
+@pytest.mark.parametrize("arg", ["--model.model=/nowhere/model", "--data.train_source=/nowhere/train.jsonl"])
+def test_a_run_failing_before_its_first_batch_leaves_no_empty_log_folder(tmp_path, monkeypatch, arg):
+    """A wrong model path or data file: the error, and no logs/<name>/version_N holding an empty event
+    file (an empty run in TensorBoard); the next run takes version_0."""
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises((ValueError, FileNotFoundError)):
+        main(["fit", *fast_args(tmp_path, 1, [arg])])
+    assert list((tmp_path / "logs" / "quickstart").iterdir()) == []
+
+
 def test_three_seeded_steps_regression(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     main(["fit", *fast_args(tmp_path, 3, ["--seed_everything", "2"])])
@@ -382,6 +392,7 @@ def test_a_diverged_run_is_one_line_naming_the_step(tmp_path, monkeypatch, capsy
     err = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
     assert len(err) == 1 and "TrainingDiverged: training diverged: the 10 updates since step 0 all had a " \
         "non-finite loss, from the weights this run started with (step 0): check the base model" in err[0], err
+    assert list((tmp_path / "logs" / "quickstart").glob("version_0/events.out.tfevents.*"))  # (its logs stay)
 
 
 def test_lightning_optimizer_options_are_refused_and_old_configs_still_parse(tmp_path, monkeypatch, capsys):
