@@ -53,6 +53,29 @@ examples:
 """
 
 
+def _check_out_is_not_the_model(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    out = Path(args.out).expanduser().resolve()
+    model_path = Path(args.model).expanduser() if args.model else None
+    if model_path is not None and model_path.exists() and model_path.resolve() in (out, *out.parents):
+        parser.error(f"--out {args.out} would overwrite the model being exported ({args.model})")
+
+
+def _model_from_the_adapter(parser: argparse.ArgumentParser, args: argparse.Namespace, ckpt: dict | None) -> str:
+    """Without --model: the base the --adapter records (a training checkpoint's, ``qerl_base.json``, or
+    for an adapter qerl did not write peft's ``base_model_name_or_path``)."""
+    try:
+        base = checkpoint_base(ckpt) if ckpt is not None else read_base(args.adapter)
+        if base is None and (Path(args.adapter) / "adapter_config.json").is_file():
+            peft_config = json.loads((Path(args.adapter) / "adapter_config.json").read_text())
+            base = {"model": peft_config.get("base_model_name_or_path")} if isinstance(peft_config, dict) else None
+    except (OSError, ValueError) as err:
+        parser.error(f"cannot read --adapter {args.adapter}: {err}")
+    if not base or not base.get("model"):
+        parser.error(f"--model is required: --adapter {args.adapter} does not record the base it trained on")
+    log.info("--model not given: exporting onto %s, the base --adapter %s records", base["model"], args.adapter)
+    return str(base["model"])
+
+
 def _check_paths(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     """Refuse, before minutes of loading, an output that would clobber the input or an earlier export."""
     out = Path(args.out).expanduser().resolve()
@@ -69,13 +92,11 @@ def _check_paths(parser: argparse.ArgumentParser, args: argparse.Namespace) -> N
     if args.from_nvfp4 and args.format != "bf16":
         parser.error("--from-nvfp4 goes with --format bf16 (an nvfp4 export writes the NVFP4 codes themselves)")
     args.dtype, args.device = args.dtype or "bf16", args.device or "cpu"  # the defaults, now that they were not given
-    if args.format != "adapter" and not args.model:
-        parser.error("--model is required (unless --format adapter)")
+    if args.format != "adapter" and not args.model and not args.adapter:
+        parser.error("--model is required (unless --format adapter, or an --adapter that records its base)")
     if is_ckpt and not Path(args.adapter).is_file():
         parser.error(f"--adapter {args.adapter}: no such checkpoint file")
-    model_path = Path(args.model).expanduser() if args.model else None
-    if model_path is not None and model_path.exists() and model_path.resolve() in (out, *out.parents):
-        parser.error(f"--out {args.out} would overwrite the model being exported ({args.model})")
+    _check_out_is_not_the_model(parser, args)
     existing = next(p for p in (out, *out.parents) if p.exists())
     if existing != out and not existing.is_dir():
         parser.error(f"--out {args.out}: {existing} is a file, not a folder")
@@ -305,7 +326,8 @@ def main(argv: list[str] | None = None) -> Path:
     """``python -m qerl.export`` on ``argv`` (default: the command line); returns the export folder (printed)."""
     parser = _OneLineErrors(prog="python -m qerl.export", description=qerl.export.__doc__.split("\n\n")[0],
                                      epilog=_CLI_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", help="tiny-qwen2 | tiny-llama | model dir | HF id | .gguf")
+    parser.add_argument("--model", help="tiny-qwen2 | tiny-llama | model dir | HF id | .gguf "
+                        "(default: the base a qerl --adapter records)")
     parser.add_argument("--format", choices=["nvfp4", "bf16", "adapter"], default="nvfp4",
                         help="adapter: only the adapter of the --adapter checkpoint")
     parser.add_argument("--out", required=True, help="output directory (new or empty, or see --overwrite)")
@@ -335,6 +357,9 @@ def main(argv: list[str] | None = None) -> Path:
         print(out)
         return out
     ckpt = _read_checkpoint(parser, args.adapter) if str(args.adapter or "").endswith(".ckpt") else None  # (once)
+    if not args.model:
+        args.model = _model_from_the_adapter(parser, args, ckpt)
+        _check_out_is_not_the_model(parser, args)
     base_dtype, seed, trained_quantization, recorded = _base_settings(parser, args, ckpt)
     at_home = recorded is not None and is_dequantized_base(args.model, recorded)  # (then it records what it is)
     dequantized_from = read_dequantized_base(args.model) if at_home else None

@@ -677,6 +677,17 @@ def test_checkpoint_export_rebuilds_the_trained_tiny_base(tmp_path, capsys, seed
     again = load_file(main(["--model", "tiny-qwen2", "--adapter", str(adapter), "--out", str(tmp_path / "z")])
                       / "model.safetensors")
     assert again.keys() == tensors.keys() and all(torch.equal(again[k], tensors[k]) for k in tensors)
+    # without --model: the base the checkpoint or the adapter folder records
+    for source, out in ((tmp_path / "last.ckpt", "no_model_ckpt"), (adapter, "no_model_dir")):
+        same = load_file(main(["--adapter", str(source), "--out", str(tmp_path / out)]) / "model.safetensors")
+        assert all(torch.equal(same[k], tensors[k]) for k in tensors)
+    (adapter / BASE_FILE).unlink()  # a peft adapter qerl did not write: peft's record of the base's name
+    main(["--adapter", str(adapter), "--out", str(tmp_path / "peft_record"), "--seed", str(seed)])
+    config = json.loads((adapter / "adapter_config.json").read_text())
+    (adapter / "adapter_config.json").write_text(json.dumps({**config, "base_model_name_or_path": None}))
+    with pytest.raises(SystemExit):  # and none at all
+        main(["--adapter", str(adapter), "--out", str(tmp_path / "no_record")])
+    assert "does not record the base it trained on" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("content, problem", [
