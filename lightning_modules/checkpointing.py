@@ -137,11 +137,13 @@ class ResumeMixin:
         resized = sorted(n for n in saved & set(shapes) if tuple(state[n].shape) != shapes[n])
         if self.model is not None and (saved != set(shapes) or resized):
             missing, unexpected = sorted(set(shapes) - saved), sorted(saved - set(shapes))
-            example = f" (e.g. {resized[0]}: {tuple(state[resized[0]].shape)} saved, {shapes[resized[0]]} here)" if resized else ""
-            raise ValueError(f"the checkpoint does not fit this model ({len(missing)} trainable tensors missing, e.g. "
-                             f"{missing[:1]}; {len(unexpected)} unexpected, e.g. {unexpected[:1]}; {len(resized)} of "
-                             f"another shape{example}): model.model, model.lora (rank, targets) and its "
-                             "trainable_norms must be those of the run that wrote it")
+            problems = [f"{len(names)} trainable tensors {what}, e.g. {names[0]}"
+                        for names, what in ((missing, "missing"), (unexpected, "unexpected")) if names]
+            if resized:
+                problems.append(f"{len(resized)} of another shape, e.g. {resized[0]}: "
+                                f"{tuple(state[resized[0]].shape)} saved, {shapes[resized[0]]} here")
+            raise ValueError(f"the checkpoint does not fit this model ({'; '.join(problems)}): model.model, model.lora "
+                             "(rank, targets) and its trainable_norms must be those of the run that wrote it")
         refuse_non_finite(state, "the checkpoint", "trainable tensors", "saved after its run diverged: resume from an earlier one")
         if self.model is not None and "optimizer_states" in checkpoint:  # written before the norm scales had their own undecayed group
             flags = decay_flags(self.trainable_parameters())
