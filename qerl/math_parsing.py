@@ -198,10 +198,16 @@ def _parse_cached(text: str, boxed: str | None) -> tuple:
     ~8 ms to parse) is read as ``$18$`` alone, and a number with a percent sign (``12.5\\%``) adds the number:
     math-verify matches ``9\\%`` with 9 (integers) but reads ``12.5\\%`` only as 0.125, which the docstring of
     `qerl.rewards.MathAccuracy` promises to match with 12.5 as ``5\\%`` is with 5 (0.125 still matches too).
-    A ``####`` line comes here boxed when it is maths alone (`parse_hash_line`).
+    A ``####`` line comes here boxed when it is maths alone (`parse_hash_line`). Without a box, when the
+    expression math-verify takes from the text (its last string) is a number with unit words
+    (``\\[ 18 \\text{ dollars} \\]``, ``18*dollars`` to math-verify), that number is a candidate too, put first so
+    that the answer shown (`qerl.rewards.MathAccuracy.scored_answer`) is still math-verify's string.
     """
     if boxed is None:
-        return tuple(math_verify.parse(text, parsing_timeout=None))
+        parsed = tuple(math_verify.parse(text, parsing_timeout=None))
+        strings = [p for p in parsed if isinstance(p, str)]
+        number = _text_number(strings[-1].strip()) if strings else None
+        return parsed if number is None else tuple(math_verify.parse(f"${number}$", parsing_timeout=None)) + parsed
     number = _text_number(boxed)
     if number is not None:
         return tuple(math_verify.parse(f"${number}$", parsing_timeout=None))

@@ -1072,6 +1072,17 @@ def test_scored_answer_after_the_score_parses_nothing_again(monkeypatch):
     assert parsed > 0 and scorer.scored_answer(text) == "4217" and len(calls) == parsed
 
 
+@pytest.mark.parametrize("completion, gold, expected", [
+    ("She buys 3 tickets at $6 each, so she pays\n\\[ 18 \\text{ dollars} \\]", "18", 1.0),  # 18*dollars to math-verify
+    ("She buys 3 tickets at $6 each, so she pays\n\\[\n18\\text{ dollars}\n\\]", "18", 1.0),
+    ("She buys 3 tickets at $6 each, so she pays\n\\[ 18 \\text{ dollars} \\]", "19", 0.0),
+    ("She pays\n\\[ 6 \\times 3 = 18 \\text{ dollars} \\]", "6", 0.0),  # not a number with units: no number added
+])
+def test_unboxed_display_number_with_units(acc: MathAccuracy, completion: str, gold: str, expected: float) -> None:
+    assert acc([completion], [gold]) == [expected]
+    assert acc.scored_answer(completion).endswith(r"\text{ dollars}")  # the answer shown is math-verify's
+
+
 @pytest.mark.parametrize("box", ["4219 dollars", r"4219 \text{ dollars}", r"\text{4,219 dollars}"])
 def test_a_number_with_unit_words_is_parsed_as_the_number_alone(monkeypatch, box):
     """math-verify parsed `\\boxed{18 dollars}` whole first (a product of symbols, ~8 ms: the slowest box a GSM8K
