@@ -81,6 +81,16 @@ def strip_end_punctuation(text: str) -> str:
     return head[:len(kept) + 1] if len(head) > len(kept) else text  # (the regex's match after one space)
 
 
+# A bracket closed at an infinite end (`[-\infty, 3]`, `(2, \infty]`, `\infty \right]`): no interval, but sympy's
+# Interval is open at ±∞ whatever the bracket, so math-verify matches it with the open one.
+_CLOSED_AT_INFINITY_RE = re.compile(r"\[\s*[-+]?\s*(?:\\infty|∞)|(?:\\infty|∞)\s*(?:\\right\s*)?\]")
+
+
+def closes_at_infinity(text: str) -> bool:
+    """Whether ``text`` closes an interval at ``\\infty`` or ``-\\infty`` with a square bracket."""
+    return _CLOSED_AT_INFINITY_RE.search(text) is not None
+
+
 # A gold with several values: a comma outside brackets (`1, -2`; not `(1,2)` or `[0, 1)`) or `\pm`.
 _PM_RE = re.compile(r"\\(?:pm|mp)(?![A-Za-z])")
 _THOUSANDS_COMMA_RE = re.compile(r"(?<=\d),(?:\\!\s?)?(?=\d{3}(?!\d))")  # (`2, 100` is two values)

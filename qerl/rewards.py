@@ -43,7 +43,7 @@ from qerl.answers import (  # noqa: F401
 from qerl.deadline import call_with_deadline as _deadline
 from qerl.math_parsing import (  # noqa: F401 (re-exported)
     _DIGIT_SEP_RE, _MAX_POWER_LOG10, _SPACE_SEP_RE, _is_multi_valued, _parse_gold, _parse_pred, _same_text,
-    _text_number, degrees_as_circ, has_expression, has_huge_power, is_bare_math, lists_several_values, parse_hash_line,
+    _text_number, closes_at_infinity, degrees_as_circ, has_expression, has_huge_power, is_bare_math, lists_several_values, parse_hash_line,
     starts_with_relation)
 from qerl.reward_function import RewardFunction, _warn_limited
 
@@ -227,6 +227,8 @@ class MathAccuracy(RewardFunction):
         gold_text = _text_number(gold.strip()) or gold.strip()
         if boxed is not None and starts_with_relation(boxed) and not starts_with_relation(gold_text):
             return 0.0  # `\neq 72`, `> 72`: math-verify keeps the 72 and drops the relation ("not 72" is no 72)
+        if boxed is not None and closes_at_infinity(boxed) and not closes_at_infinity(gold_text):
+            return 0.0  # `[-\infty, 3]`: math-verify matches it with `(-\infty, 3]` (sympy ignores a bracket at ±∞)
         if hash_line and lists_several_values(boxed) and not _is_multi_valued(gold_text):
             return 0.0  # `#### 16, 17, 18` lists candidates; only a gold with several values is answered so
         # integers longer than Python's int-string limit: math-verify cannot convert them (it scores 0

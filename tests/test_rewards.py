@@ -460,6 +460,22 @@ def test_degree_signs(acc: MathAccuracy, completion: str, gold: str, expected: f
     assert acc([completion], [gold]) == [expected]
 
 
+# MATH-500's intervals with an infinite end (4 problems): math-verify ignored the bracket there (sympy's Interval is
+# open at ±∞), so `[-\infty, 0]` matched `(-\infty, 0]`.
+@pytest.mark.parametrize("completion, gold, expected", [
+    (r"The solution set is $\boxed{(-\infty,0]}$.", r"(-\infty, 0]", 1.0),
+    (r"The solution set is $\boxed{(-\infty,0)}$.", r"(-\infty, 0]", 0.0),
+    (r"The solution set is $\boxed{[-\infty,0]}$.", r"(-\infty, 0]", 0.0),
+    (r"The domain is $\boxed{(2,\infty]}$.", r"(2,\infty)", 0.0),
+    (r"The domain is $\boxed{\left(2, \infty \right]}$.", r"(2,\infty)", 0.0),
+    (r"The domain is $\boxed{(2, +\infty)}$.", r"(2,\infty)", 1.0),
+    (r"\boxed{(-\infty, 2) \cup (3, \infty]}", r"(-\infty, 2) \cup (3, \infty)", 0.0),
+    (r"\boxed{(-\infty, 2) \cup (3, \infty)}", r"(-\infty, 2) \cup (3, \infty)", 1.0),
+])
+def test_a_bracket_at_infinity_counts(acc: MathAccuracy, completion: str, gold: str, expected: float) -> None:
+    assert acc([completion], [gold]) == [expected]
+
+
 # A quantity in mixed units is none of its numbers: math-verify read each box below as its first number.
 @pytest.mark.parametrize("completion, gold, expected", [
     (r"The trip takes $\boxed{2\text{ hours and }30\text{ minutes}}$.", "2", 0.0),
