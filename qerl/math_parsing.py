@@ -12,7 +12,7 @@ import re
 from functools import lru_cache
 
 import math_verify
-from sympy import Basic, MatrixBase, Number
+from sympy import Basic, Integer, MatrixBase, Mul, Number, Rational, UnevaluatedExpr
 
 from qerl.answers import _BOX_RE, starts_with_relation  # noqa: F401 (re-exported)
 
@@ -54,8 +54,9 @@ _NOT_UNITS = frozenset(
     + "not no nor never neither none wrong incorrect false".split())
 
 
-# A degree sign, `°` or `\degree` (a `^` before it included), as MATH's golds write it: `^{\circ}`. math-verify 0.9 reads
-# a box's `30°` as a string and `(3, 90°)` as 90, its last number; `30^{\circ}` is 30 and `(3, 90^{\circ})` the pair.
+# A degree sign, `°` or `\degree` (a `^` before it included), as MATH's golds write it: `^{\circ}`. math-verify
+# 0.9 reads a box's `30°` as a string and `(3, 90°)` as 90 (its last number); `30^{\circ}` is 30, `(3, 90^{\circ})`
+# the pair.
 _DEGREE_RE = re.compile(r"(?:\^\s*)?(?:°|\\degree(?![A-Za-z]))")
 
 
@@ -244,6 +245,19 @@ def _percent_number(boxed: str) -> str | None:
     """``12.5\\%``, ``12.5%``, ``12.5 \\%`` → ``12.5``; None for anything else."""
     m = _PERCENT_NUMBER_RE.fullmatch(boxed)
     return m.group(1) if m is not None else None
+
+
+_PERCENT = UnevaluatedExpr(Rational(1, 100))  # latex2sympy's `%`: `2500\%` is 2500 * (1/100), `-5\%` -1 * 5 * (1/100)
+
+
+def percents_as_numbers(pred: list, gold: list | tuple) -> list:
+    """``pred`` with each percentage as its number (``2500\\%`` → 2500) when the gold is an integer (a count, or a
+    percent given as its number): math-verify matches ``25\\%`` with 25, and also ``2500\\%``, which is 25 only as a
+    fraction -- a slip by a factor of 100. Other golds keep both readings (``12.5\\%`` is 0.125 and 12.5)."""
+    if not any(isinstance(g, Integer) for g in gold):
+        return pred
+    return [Mul(*(a for a in p.args if a != _PERCENT)) if isinstance(p, Mul) and p.args.count(_PERCENT) == 1 else p
+            for p in pred]
 
 
 def _has_loose_letters(line: str) -> bool:

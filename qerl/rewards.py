@@ -43,8 +43,8 @@ from qerl.answers import (  # noqa: F401
 from qerl.deadline import call_with_deadline as _deadline
 from qerl.math_parsing import (  # noqa: F401 (re-exported)
     _DIGIT_SEP_RE, _MAX_POWER_LOG10, _SPACE_SEP_RE, _is_multi_valued, _parse_gold, _parse_pred, _same_text,
-    _text_number, closes_at_infinity, degrees_as_circ, has_expression, has_huge_power, is_bare_math, lists_several_values, parse_hash_line,
-    starts_with_relation)
+    _text_number, closes_at_infinity, degrees_as_circ, has_expression, has_huge_power, is_bare_math,
+    lists_several_values, parse_hash_line, percents_as_numbers, starts_with_relation)
 from qerl.reward_function import RewardFunction, _warn_limited
 
 logger = logging.getLogger(__name__)
@@ -182,7 +182,7 @@ class MathAccuracy(RewardFunction):
                 return None
         if boxed is not None:  # a plain space as the separator, only in the answer itself (`\boxed{12 345}`)
             boxed = _SPACE_SEP_RE.sub("", boxed)
-            if line is None:  # `30°` as the gold's `30^\circ` (a `####` line's `-5 °C` is read as text: `parse_hash_line`)
+            if line is None:  # `30°` as the gold's `30^\circ` (a `####` line's `-5 °C` is read as text)
                 boxed = degrees_as_circ(boxed)
             if len(boxed) > limit:  # no answer is that long, and parsing it is what the cap prevents
                 return None
@@ -259,11 +259,13 @@ class MathAccuracy(RewardFunction):
                               "its completions will all score 0 unless they repeat it verbatim (fix or drop that row)")
                 if not gold_parsed:
                     return False
+            pred_parsed = percents_as_numbers(pred_parsed, gold_parsed)  # (`2500\%` is no answer to 25)
             if math_verify.verify(gold_parsed, pred_parsed, timeout_seconds=None):
                 return True
             # A multi-answer gold (`1, -2`, `3 \pm 2\sqrt{2}`) is often boxed one value at a time:
             # then all boxes together are the answer (a set; extra or hedged values still fail).
-            boxes = [degrees_as_circ(_SPACE_SEP_RE.sub("", b)) for b in boxed_answers(text)] if boxed is not None else []
+            boxes = boxed_answers(text) if boxed is not None else []
+            boxes = [degrees_as_circ(_SPACE_SEP_RE.sub("", b)) for b in boxes]  # (normalised as the last box was)
             if len(boxes) < 2 or not _is_multi_valued(gold_text):
                 return False
             joined = ", ".join(boxes)

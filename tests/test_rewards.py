@@ -444,6 +444,23 @@ def test_boxed_decimal_percent_is_its_number(acc: MathAccuracy, completion: str,
     assert acc([completion], [gold]) == [expected]
 
 
+# Against an integer gold a percentage is its number: math-verify matched `2500\%` with 25 (2500/100).
+@pytest.mark.parametrize("completion, gold, expected", [
+    (r"The price rose by $\boxed{25\%}$.", "25", 1.0),
+    (r"The price rose by $\boxed{2500\%}$.", "25", 0.0),
+    (r"The price rose by $\boxed{2500\%}$.", "2500", 1.0),
+    (r"\boxed{-5\%}", "-5", 1.0),
+    (r"\boxed{25\%}", "0.25", 1.0),  # a gold that is no integer keeps the fraction
+    (r"\boxed{25\%}", r"\frac{1}{4}", 1.0),
+    ("The price rose by 2500%.", "25", 0.0),  # without a box,
+    (NATALIA + "2500%", "25", 0.0),  # and after `####`, alike
+    (NATALIA + "25%", "25", 1.0),
+])
+def test_percent_against_an_integer_gold_is_its_number(acc: MathAccuracy, completion: str, gold: str,
+                                                       expected: float) -> None:
+    assert acc([completion], [gold]) == [expected]
+
+
 # MATH-500 writes 25 of its golds in degrees, `30^\circ`; models also write `30°`, `30^{\circ}`, `30\degree`.
 @pytest.mark.parametrize("completion, gold, expected", [
     (r"Since the triangle is equilateral, $\angle ABC = \boxed{60°}$.", r"60^\circ", 1.0),  # (a string to math-verify)
@@ -451,7 +468,7 @@ def test_boxed_decimal_percent_is_its_number(acc: MathAccuracy, completion: str,
     (r"Hence the angle measures $\boxed{30\degree}$.", r"30^\circ", 1.0),
     (r"\boxed{30 °}", r"30^\circ", 1.0),
     (r"\boxed{31°}", r"30^\circ", 0.0),
-    (r"The point is $\boxed{(3, 90°)}$.", r"(3, 90^\circ)", 1.0),  # math-verify read `(3, 90°)` as 90, its last number
+    (r"The point is $\boxed{(3, 90°)}$.", r"(3, 90^\circ)", 1.0),  # math-verify read `(3, 90°)` as 90
     (r"The point is $\boxed{(3, 90°)}$.", "90", 0.0),
     (r"$\boxed{45°}$ and $\boxed{135°}$", r"45^\circ, 135^\circ", 1.0),  # boxed one value at a time
     (r"\boxed{30}", "30°", 1.0),  # a gold's degree sign is read the same way
