@@ -277,6 +277,12 @@ def clean_short_answer(text: str) -> str:
     return text.replace(",", "") if _PLAIN_NUMBER_RE.fullmatch(text) else text
 
 
+def _clean_emphasised(text: str) -> str:
+    """`clean_short_answer` of ``text`` without markdown emphasis (``** 18``, ``**18**.`` → ``18``), as
+    `hash_answer` reads a ``####`` line."""
+    return clean_short_answer(unwrap_emphasis(_EMPHASIS_RE.sub("", text)))
+
+
 def extract_answer(completion: str) -> str | None:
     """Best-effort answer string of a completion, for logging tables (not used for scoring).
 
@@ -292,14 +298,14 @@ def extract_answer(completion: str) -> str | None:
         return boxed
     completion = normalize_minus(completion)  # as MathAccuracy reads a completion without a box
     tagged = answer_tag_content(completion)
-    if tagged and clean_short_answer(tagged):
-        return clean_short_answer(tagged)
+    if tagged and _clean_emphasised(tagged):
+        return _clean_emphasised(tagged)
     hashed = hash_answer(completion)
     if hashed and clean_short_answer(hashed):
         return clean_short_answer(hashed)
-    hits = _ANSWER_IS_RE.findall(completion)
-    if hits and clean_short_answer(hits[-1]):
-        return clean_short_answer(hits[-1])
+    hits = _ANSWER_IS_RE.findall(completion)  # (`**Answer:** 18`: the text after the colon is `** 18`)
+    if hits and _clean_emphasised(hits[-1]):
+        return _clean_emphasised(hits[-1])
     numbers = _NUMBER_RE.findall(completion)
     return numbers[-1].replace(",", "") if numbers else None
 

@@ -106,6 +106,9 @@ def test_extract_boxed(text: str, expected: str | None) -> None:
         ("", None),
         ("#### Step 1: eggs\n#### Step 2: money\nThe answer is 18.", "18"),  # headings are not answers
         ("#### 18\n#### Check", "18"),
+        ("She earns 9 * 2 dollars.\n**Answer:** 18", "18"),  # markdown emphasis is no part of it (was `** 18`)
+        ("The answer is **18**.", "18"),
+        ("<answer>**18**</answer>", "18"),
     ],
 )
 def test_extract_answer_order(text: str, expected: str | None) -> None:
