@@ -128,30 +128,28 @@ def test_refill_rounds_draw_fresh_prompts_per_step_and_round():
     assert len(seeds) == 4 and len(set(seeds)) == 4  # two rounds at each of two steps, each its own draw
 
 
-def test_refills_exclude_the_steps_prompts_and_earlier_refills():
-    module, enc, cb = _scripted_dynamic_sampling({"x": ["b", "b"], "z": ["b", "b"]}, max_refill_rounds=2)
+def _excluded_by_refills(max_refill_rounds: int) -> list[set]:
+    """What each refill round of one step (prompt x, then refills of z, all groups flat) passes over."""
+    module, enc, cb = _scripted_dynamic_sampling({"x": ["b", "b"], "z": ["b", "b"]}, max_refill_rounds=max_refill_rounds)
     excluded = []
     extra = {"prompt_ids": [enc("z")], "prompts": ["z"], "answers": ["-"], "sources": ["s"], "indices": [7]}
     trainer = _trainer([cb], extra)
     trainer.datamodule.draw_extra = lambda n, seed, exclude: excluded.append(set(exclude)) or extra
     batch = {"prompt_ids": [enc("x")], "prompts": ["x"], "answers": ["-"], "sources": ["s"], "indices": [3]}
     cb.on_train_batch_start(trainer, module, batch, 0)
-    assert excluded == [{("s", 3)}, {("s", 3), ("s", 7)}]  # the batch's, then also the first refill's
+    return excluded
+
+
+def test_refills_exclude_the_steps_prompts_and_earlier_refills():
+    assert _excluded_by_refills(2) == [{("s", 3)}, {("s", 3), ("s", 7)}]  # the batch's, then also the first refill's
 
 
 def test_refills_exclude_every_ranks_prompts_of_the_step(monkeypatch):
     """Under DDP the step is every rank's batch: what the other ranks drew is passed over too."""
     import callbacks.rollout as rollout_module
 
-    module, enc, cb = _scripted_dynamic_sampling({"x": ["b", "b"], "z": ["b", "b"]}, max_refill_rounds=1)
     monkeypatch.setattr(rollout_module, "every_rank_items", lambda trainer, items: [*items, ("s", 5)])
-    excluded = []
-    extra = {"prompt_ids": [enc("z")], "prompts": ["z"], "answers": ["-"], "sources": ["s"], "indices": [7]}
-    trainer = _trainer([cb], extra)
-    trainer.datamodule.draw_extra = lambda n, seed, exclude: excluded.append(set(exclude)) or extra
-    batch = {"prompt_ids": [enc("x")], "prompts": ["x"], "answers": ["-"], "sources": ["s"], "indices": [3]}
-    cb.on_train_batch_start(trainer, module, batch, 0)
-    assert excluded == [{("s", 3), ("s", 5)}]
+    assert _excluded_by_refills(1) == [{("s", 3), ("s", 5)}]
 
 
 def test_dynamic_sampling_counts_a_refills_surplus_as_dropped():
