@@ -15,6 +15,8 @@ works on a machine without it. Design notes: ``kernels/nvfp4_w4a16.py`` (Triton)
 measurements: ``kernels/NOTES.md``; which one runs per shape: ``kernels/_launch.py``.
 """
 
+import logging
+
 import torch
 
 __all__ = ["is_available", "nvfp4_linear_forward", "nvfp4_linear_grad_input", "nvfp4_dequantize"]
@@ -22,14 +24,21 @@ __all__ = ["is_available", "nvfp4_linear_forward", "nvfp4_linear_grad_input", "n
 
 def is_available(device=None) -> bool:
     """True if the Triton kernels can run on ``device`` (CUDA, sm_89+ for e4m3, triton importable)."""
-    try:
-        dev = torch.device(device) if device is not None else torch.device("cuda")
-        if dev.type != "cuda" or not torch.cuda.is_available():
-            return False
-        import triton  # noqa: F401
-        return torch.cuda.get_device_capability(dev) >= (8, 9)
-    except Exception:
+    dev = torch.device(device) if device is not None else torch.device("cuda")
+    if dev.type != "cuda" or not torch.cuda.is_available():
         return False
+    try:
+        import triton  # noqa: F401
+    except ImportError as err:  # said once: every NVFP4 linear then dequantizes + matmuls
+        if not _SAID_NO_TRITON:
+            _SAID_NO_TRITON.append(True)
+            logging.getLogger("qerl.kernels").warning(
+                "triton cannot be imported (%s): NVFP4 linears on CUDA dequantize and use cuBLAS", err)
+        return False
+    return torch.cuda.get_device_capability(dev) >= (8, 9)
+
+
+_SAID_NO_TRITON: list = []
 
 
 def _check(a, qdata, scale, per_tensor_scale, red_dim, out=None):

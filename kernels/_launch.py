@@ -13,12 +13,13 @@ Path per call (``M`` = rows of the activation):
 
 Configs are chosen per shape bucket ``(op, dtype, bucket(M), N, K)`` where ``bucket(M)`` is the next
 power of two (M > 1024 is one bucket that always takes ``dequant``). On the first call for a key the
-candidates of that bucket are timed with ``triton.testing.do_bench`` (L2 flushed between runs, like
-a real layer whose weight is not in cache) and the fastest is kept for the process. During CUDA-graph
-capture, or with ``QERL_KERNELS_AUTOTUNE=0``, no timing happens: the bucket's first (default)
-candidate is used. ``KERNEL_PRESETS`` can pin a config per key.
+candidates of that bucket are timed by ``tune`` (a CUDA graph of launches rotating over copies of
+the weight, so it is not timed from L2, like a real layer's) and the fastest is kept for the
+process (``QERL_KERNELS_VERBOSE=1`` logs the timings). During CUDA-graph capture, or with
+``QERL_KERNELS_AUTOTUNE=0``, no timing happens: the bucket's first (default) candidate is used. ``KERNEL_PRESETS`` can pin a config per key.
 """
 
+import logging
 import os
 from dataclasses import dataclass, replace
 
@@ -27,6 +28,9 @@ import triton
 
 from . import check_out
 from . import nvfp4_w4a16 as K_
+from .cuda_graphs import abandon_capture
+
+log = logging.getLogger("qerl.kernels")
 
 _NUM_SMS = {}
 _COUNTERS = {}          # device -> int32 zero buffer of per-tile split counters (self-resetting)
@@ -277,11 +281,12 @@ def _choose(op, a, qdata, scale, pts, out) -> Config:
             or torch.cuda.is_current_stream_capturing()):
         return cands[0]
     res = tune(op, a, qdata, scale, pts, out, cands)
-    if os.environ.get("QERL_KERNELS_VERBOSE", "0") == "1":
-        print(f"[kernels] tune {op} M={M} N={N} K={K}: "
-              + "; ".join(f"{c.short()} {ms * 1e3:.1f}us" for ms, c in res), flush=True)
-    # every candidate failed (out of memory mid-training, say): the default, cached like a winner so
-    # the failing tune is not repeated at every call of this shape
+    (log.info if os.environ.get("QERL_KERNELS_VERBOSE", "0") == "1" else log.debug)(
+        "tune %s M=%d N=%d K=%d: %s", op, M, N, K, "; ".join(f"{c.short()} {ms * 1e3:.1f}us" for ms, c in res))
+    if not res:  # every candidate failed (out of memory mid-training, say): the default, cached like a
+        # winner so the failing tune is not repeated at every call of this shape
+        log.warning("tuning %s for M=%d N=%d K=%d: every candidate failed; using %s untimed",
+                    op, M, N, K, cands[0].short())
     _TUNED[key] = res[0][1] if res else cands[0]
     return _TUNED[key]
 
@@ -328,11 +333,15 @@ def tune(op, a, qdata, scale, pts, out, cands, copy_bytes=2e8, reps=7):
         try:
             _run(op, a, qdata, scale, pts, out, c)              # compile + first-use allocations
             torch.cuda.synchronize()
-            g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g):
-                for i in range(n_launch):
-                    q, sc = weights[i % len(weights)]
-                    _run(op, a, q, sc, pts, out, c)
+            g, stream = torch.cuda.CUDAGraph(), torch.cuda.current_stream()
+            try:
+                with torch.cuda.graph(g):
+                    for i in range(n_launch):
+                        q, sc = weights[i % len(weights)]
+                        _run(op, a, q, sc, pts, out, c)
+            except Exception:
+                abandon_capture(g, stream)  # else later allocations land in the dead graph's pool
+                raise
             g.replay()
             ts = []
             for _ in range(reps):
@@ -343,8 +352,8 @@ def tune(op, a, qdata, scale, pts, out, cands, copy_bytes=2e8, reps=7):
                 e1.synchronize()
                 ts.append(e0.elapsed_time(e1) / n_launch)
             del g
-        except Exception as e:
-            print(f"[kernels] skip {c.short()}: {type(e).__name__}: {str(e)[:120]}")
+        except Exception as e:  # e.g. more shared memory than the SM has: the next candidate
+            log.debug("tune %s: skip %s: %s: %s", op, c.short(), type(e).__name__, str(e)[:120])
             continue
         res.append((sorted(ts)[len(ts) // 2], c))
     res.sort(key=lambda t: t[0])

@@ -154,7 +154,7 @@ def _write_safetensors(entries: dict[str, Entry], out: Path, max_shard_bytes: in
 
 
 def _write_rest(model: nn.Module, tokenizer: PreTrainedTokenizerBase | None, out: Path, dtype: torch.dtype,
-                quantization_config: dict | None) -> None:
+                quantization_config: dict | None, with_adapter: bool) -> None:
     """config.json (any loader's ``quantization_config`` replaced), generation config, tokenizer, adapter."""
     hf = _hf_model(model)
     config = hf.config.to_dict()
@@ -168,7 +168,7 @@ def _write_rest(model: nn.Module, tokenizer: PreTrainedTokenizerBase | None, out
         hf.generation_config.save_pretrained(out)
     if tokenizer is not None:
         tokenizer.save_pretrained(out)
-    if _is_peft(model):
+    if with_adapter and _is_peft(model):
         export_adapter(model, out / ADAPTER_SUBDIR)
 
 
@@ -197,10 +197,13 @@ def warn_if_auto_tokenizer_differs(tokenizer: PreTrainedTokenizerBase, out: Path
 
 
 def export_nvfp4(model: nn.Module, tokenizer: PreTrainedTokenizerBase | None, out_dir: str | Path,
-                 dtype: str | torch.dtype = "bf16", max_shard_bytes: int = MAX_SHARD_BYTES) -> Path:
+                 dtype: str | torch.dtype = "bf16", max_shard_bytes: int = MAX_SHARD_BYTES,
+                 with_adapter: bool = True) -> Path:
     """Write a compressed-tensors NVFP4A16 checkpoint of ``model`` (plain HF or peft-wrapped; its
     decoder linears must hold ``NVFP4WeightTensor``). Other tensors are cast to ``dtype`` (16-bit).
-    Every ``nn.Linear`` left unquantized (``lm_head``) is listed in ``ignore``. Returns ``out_dir``."""
+    Every ``nn.Linear`` left unquantized (``lm_head``) is listed in ``ignore``. A peft model's adapter
+    goes to ``<out>/adapter`` unless ``with_adapter=False`` (the vLLM engine pushes it from memory).
+    Returns ``out_dir``."""
     dtype, out = _parse_dtype(dtype), Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     entries: dict[str, Entry] = {}
@@ -224,15 +227,17 @@ def export_nvfp4(model: nn.Module, tokenizer: PreTrainedTokenizerBase | None, ou
     _check_shared_scales(scales)
     ignore = sorted(_linear_names(model) - set(scales))
     _write_safetensors(entries, out, max_shard_bytes)
-    _write_rest(model, tokenizer, out, dtype, nvfp4a16_quantization_config(ignore))
+    _write_rest(model, tokenizer, out, dtype, nvfp4a16_quantization_config(ignore), with_adapter)
     log.info("exported %d NVFP4 linears (+%d other tensors) to %s", len(scales), len(entries) - 3 * len(scales), out)
     return out
 
 
 def export_bf16(model: nn.Module, tokenizer: PreTrainedTokenizerBase | None, out_dir: str | Path,
-                dtype: str | torch.dtype = "bf16", max_shard_bytes: int = MAX_SHARD_BYTES) -> Path:
+                dtype: str | torch.dtype = "bf16", max_shard_bytes: int = MAX_SHARD_BYTES,
+                with_adapter: bool = True) -> Path:
     """Write a dense checkpoint in ``dtype`` (NVFP4 / NF4 weights dequantized, no
-    ``quantization_config``); a peft model's adapter goes to ``<out>/adapter``. Returns ``out_dir``."""
+    ``quantization_config``); a peft model's adapter goes to ``<out>/adapter`` unless
+    ``with_adapter=False``. Returns ``out_dir``."""
     dtype, out = _parse_dtype(dtype), Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     entries = {
@@ -240,7 +245,7 @@ def export_bf16(model: nn.Module, tokenizer: PreTrainedTokenizerBase | None, out
         for name, t in base_tensors(model)
     }
     _write_safetensors(entries, out, max_shard_bytes)
-    _write_rest(model, tokenizer, out, dtype, None)
+    _write_rest(model, tokenizer, out, dtype, None, with_adapter)
     log.info("exported %d dense tensors (%s) to %s", len(entries), dtype, out)
     return out
 

@@ -167,6 +167,52 @@ def test_autotune_with_every_candidate_failing_falls_back_to_the_default(monkeyp
     assert cfg == L.candidates("fwd", L._bucket(8))[0] and L._TUNED.pop(key) == cfg
 
 
+def test_missing_triton_is_said_once_and_other_errors_are_not_hidden(monkeypatch, caplog):
+    """Without triton the NVFP4 linears fall back to dequant + cuBLAS, said once (a silent 20x
+    slowdown otherwise); a bad device is the caller's error, not a quiet False."""
+    import sys
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setitem(sys.modules, "triton", None)  # import triton -> ImportError
+    monkeypatch.setattr(kernels, "_SAID_NO_TRITON", [])
+    assert kernels.is_available("cuda") is False and kernels.is_available("cuda:0") is False
+    said = [r.getMessage() for r in caplog.records if r.name == "qerl.kernels"]
+    assert len(said) == 1 and said[0].startswith("triton cannot be imported"), said
+    with pytest.raises(RuntimeError):
+        kernels.is_available("not-a-device")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs CUDA")
+def test_gpu_tuner_survives_a_candidate_failing_inside_graph_capture(monkeypatch):
+    """A candidate that raises while the tuner captures it is skipped, and the failed capture is
+    undone: later allocations and random ops (vLLM's sampler) work, a later capture succeeds."""
+    from kernels import _launch as L
+
+    broken = L._fused(16, 64, 256, 4, 3, waves=3.0)      # a config only this test uses
+    real_run = L._run
+
+    def run(op, a, qdata, scale, pts, out, cfg):
+        if cfg == broken and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("fails under capture")
+        return real_run(op, a, qdata, scale, pts, out, cfg)
+
+    monkeypatch.setattr(L, "_run", run)
+    q, s, p = rand_weight(512, 1024, "cuda")
+    x = torch.randn(4, 1024, device="cuda", dtype=torch.bfloat16)
+    ok = L.candidates("fwd", 4)[0]
+    res = L.tune("fwd", x, q, s, p, torch.empty(4, 512, device="cuda", dtype=torch.bfloat16), [broken, ok])
+    assert [c for _, c in res] == [ok]
+    assert not torch.cuda.is_current_stream_capturing()
+    torch.randn(1000, device="cuda").uniform_()                      # the RNG is not left "capturing"
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        y = L.linear_forward(x, q, s, p, config=ok)
+    g.replay()
+    torch.cuda.synchronize()
+    assert torch.isfinite(y).all()
+
+
 # ---------------------------------------------------------------------------------------- GPU
 SHAPES = [  # (M, N, K): M off the blocks, K not a multiple of 64, N off the tiles, split and not
     (1, 256, 80), (1, 4608, 3584), (3, 96, 208), (7, 3584, 18944), (16, 1000, 1040),

@@ -226,6 +226,8 @@ def test_engine_step_sequence(fake_vllm, tmp_path):
             assert llm.calls == ["wake_up:weights", "remove_lora:1", "add_lora:2", "norms", "reset_prefix_cache",
                                  "wake_up:kv_cache", "generate", "sleep:1"]
         llm.calls.clear()
+        assert (tmp_path / "base" / "config.json").is_file()
+        assert not (tmp_path / "base" / "adapter").exists()  # pushed from memory: never written at export
         # the norms vLLM runs equal the trainer's effective fp32 scales, rounded to bf16
         vllm_params = dict(llm.model.named_parameters())
         for name, s in scales.items():

@@ -16,6 +16,7 @@ import logging
 import torch
 import torch.nn.functional as F
 
+from kernels.cuda_graphs import abandon_capture
 from qerl.attention_masks import model_mask, padded_causal_mask
 
 log = logging.getLogger("qerl.rollout.hf")  # (the engine's logger: its warnings read as the engine's)
@@ -114,7 +115,7 @@ class _StaticDecoder:
                     self.graph_logits = self._forward()
             except Exception as err:  # a module that cannot be captured: keep the static cache, run eagerly
                 # (nothing ran during the failed capture, so the cache's write position is unchanged)
-                _abandon_capture(graph, stream)
+                abandon_capture(graph, stream)
                 log.warning("CUDA-graph capture of the decode step failed (%s: %s); decoding eagerly. "
                             "Set RolloutCallback(cuda_graphs=False) to skip the attempt.", type(err).__name__, err)
                 self.use_graph = False
@@ -123,28 +124,6 @@ class _StaticDecoder:
             self.graph = graph
         self.graph.replay()
         return self.graph_logits
-
-
-def _abandon_capture(graph: torch.cuda.CUDAGraph, stream: torch.cuda.Stream) -> None:
-    """Undo what ``torch.cuda.graph`` leaves behind when the capture fails inside it (``capture_end``
-    raises before it ends the allocator's routing to the graph's private pool, before it marks the
-    CUDA RNG as no longer capturing, and the capture stream stays current): otherwise later
-    allocations land in a dead pool (the allocator asserts at exit, ``captures_underway.empty()``)
-    and the next random op anywhere (vLLM's sampler) fails with "Offset increment outside graph
-    capture"."""
-    torch.cuda.set_stream(stream)
-    device = torch.cuda.current_device()
-    try:
-        torch._C._cuda_endAllocateToPool(device, graph.pool())
-        torch._C._cuda_releasePool(device, graph.pool())
-    except RuntimeError:  # capture_end did get that far: nothing left to undo
-        pass
-    # A tiny capture that succeeds runs the RNG's capture prologue/epilogue once more and so clears
-    # its "capturing" flag (not reachable from Python otherwise).
-    reset = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(reset):
-        torch.empty(1, device=device).uniform_()
-    del reset
 
 
 def _packed_gqa_sdpa(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None, **kwargs):

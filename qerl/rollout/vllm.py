@@ -185,7 +185,8 @@ class VLLMEngine(RolloutEngine):
         if torch.distributed.is_available() and torch.distributed.is_initialized():
             out = out / f"rank{torch.distributed.get_rank()}"
         nvfp4 = any(isinstance(p, NVFP4WeightTensor) for p in model.parameters())
-        return (export_nvfp4 if nvfp4 else export_bf16)(model, self.tokenizer, out, dtype="bf16")
+        # the adapter is not written: every sync pushes it from memory
+        return (export_nvfp4 if nvfp4 else export_bf16)(model, self.tokenizer, out, dtype="bf16", with_adapter=False)
 
     def _start(self, model: nn.Module) -> None:
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # engine core in this process (vllm.md §3.2)
