@@ -95,7 +95,8 @@ class AQNCallback(L.Callback):
         self.monitor.max_steps = max(1, trainer.max_steps)
         updates = getattr(getattr(pl_module, "loss_settings", None), "updates_per_rollout", 1)
         if message := unvisited_stages_message(self.controller, trainer.max_steps, updates):
-            log.warning(message)
+            if trainer.is_global_zero:  # once, not once per DDP rank
+                log.warning(message)
         if self.apply_to == "rollout" and getattr(getattr(pl_module, "loss_settings", None), "tis_cap", 0) is None:
             rank_zero_warn("AQNCallback(apply_to: rollout) with model.loss.tis_cap: null: the rollout samples "
                            "with noise, training runs without, and no importance weights correct the mismatch "

@@ -230,7 +230,7 @@ def aggregate_loss(
     mode: Aggregation,
     max_completion_length: int | None = None,
     num_sequences_total: int | None = None,
-    num_tokens_total: int | None = None,
+    num_tokens_total: int | Tensor | None = None,
 ) -> Tensor:
     """Reduce an (N, T) per-token loss to a scalar. See the module docstring for micro-batching.
 
@@ -252,6 +252,8 @@ def aggregate_loss(
     if mode == "bnpo":
         return total / valid.sum().clamp(min=1).to(total.dtype)
     if mode == "dapo":
+        if isinstance(num_tokens_total, Tensor):  # the trainer's all-reduced count: stays on the device
+            return total / num_tokens_total.clamp(min=1).to(total.dtype)
         if num_tokens_total is not None:
             return total / max(num_tokens_total, 1)
         return total / valid.sum().clamp(min=1).to(total.dtype)  # no .item(): avoids a GPU sync
@@ -309,7 +311,7 @@ def policy_loss(
     entropy: Tensor | None = None,
     entropy_coef: float = 0.0,
     max_completion_length: int | None = None,
-    num_tokens_total: int | None = None,
+    num_tokens_total: int | Tensor | None = None,
     num_sequences_total: int | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """PPO/GRPO clipped surrogate with DAPO's decoupled clip range.

@@ -238,7 +238,7 @@ def test_too_few_steps_for_the_stages_warns_unless_the_schedule_has_its_own_max_
 
     from callbacks import AQNCallback
 
-    trainer, module = SimpleNamespace(max_steps=4), SimpleNamespace(noisy_norms=object())
+    trainer, module = SimpleNamespace(max_steps=4, is_global_zero=True), SimpleNamespace(noisy_norms=object())
     for controller, warns in ((ExponentialSchedule(num_stages=10), True),
                               (AdaptiveNoise(base=ExponentialSchedule(num_stages=10)), True),
                               (ExponentialSchedule(num_stages=10, max_steps=100), False),
@@ -247,6 +247,11 @@ def test_too_few_steps_for_the_stages_warns_unless_the_schedule_has_its_own_max_
         with caplog.at_level("WARNING"):
             AQNCallback(controller=controller).on_fit_start(trainer, module)
         assert ("stages [1, 3, 4, 6, 8, 9] are never applied" in caplog.text) == warns, controller
+    caplog.clear()
+    with caplog.at_level("WARNING"):  # under DDP only rank 0 says it
+        AQNCallback(controller=ExponentialSchedule(num_stages=10)).on_fit_start(
+            SimpleNamespace(max_steps=4, is_global_zero=False), module)
+    assert "never applied" not in caplog.text
 
 
 def test_stages_shorter_than_a_rollout_batch_warn(caplog):
@@ -262,7 +267,7 @@ def test_stages_shorter_than_a_rollout_batch_warn(caplog):
         module = SimpleNamespace(noisy_norms=object(), loss_settings=LossSettings(updates_per_rollout=updates))
         with caplog.at_level("WARNING"):
             AQNCallback(controller=ExponentialSchedule(num_stages=stages)).on_fit_start(
-                SimpleNamespace(max_steps=max_steps), module)
+                SimpleNamespace(max_steps=max_steps, is_global_zero=True), module)
         return caplog.text
     assert "stages [4] are never applied" in warning(8, 2) and "sigma_end is not reached" in warning(8, 2)
     assert "stages [4] are never applied" in warning(16, 4)  # steps 0, 4, 8, 12: stages 0-3

@@ -235,6 +235,9 @@ def test_aggregate_bnpo_dapo():
     assert_close(aggregate_loss(PER_TOKEN, MASK, "bnpo"), t(3.5))
     assert_close(aggregate_loss(PER_TOKEN, MASK, "dapo"), t(3.5))
     assert_close(aggregate_loss(PER_TOKEN, MASK, "dapo", num_tokens_total=12), t(1.75))
+    # the trainer's count is an (all-reduced) tensor: the same value, clamped on the device
+    assert_close(aggregate_loss(PER_TOKEN, MASK, "dapo", num_tokens_total=torch.tensor(12.0)), t(1.75))
+    assert_close(aggregate_loss(PER_TOKEN, MASK, "dapo", num_tokens_total=torch.tensor(0.0)), t(21.0))
 
 
 def test_aggregate_dr_grpo():
