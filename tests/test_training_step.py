@@ -115,10 +115,10 @@ class Recorder(L.Callback):
 
 
 def fit(policy, rollout, root, batches: int = 1, max_grad_norm: float = 0.2, module_kw=None, rollout_noise=0.0,
-        module_class=QeRLModule, **loss_kw) -> SimpleNamespace:
+        module_class=QeRLModule, noise_apply_to="rollout", **loss_kw) -> SimpleNamespace:
     """``Trainer.fit`` a copy of ``policy`` on ``batches`` copies of ``rollout`` (one epoch, CPU).
-    ``rollout_noise`` > 0: AQN noise of that sigma set on the norms with ``apply_to: rollout`` (as
-    after the rollout: the training forwards must run without it)."""
+    ``rollout_noise`` > 0: AQN noise of that sigma set on the norms with ``apply_to: noise_apply_to``
+    (default rollout, as after the rollout: the training forwards must run without it)."""
     optimizer = OptimizerSettings(lr=LR, warmup_ratio=0.0, schedule="constant", max_grad_norm=max_grad_norm)
     module = module_class(model="tiny-qwen2", quantization="nvfp4", dtype="fp32", loss=LossSettings(**loss_kw),
                           optimizer=optimizer, **(module_kw or {}))
@@ -126,7 +126,7 @@ def fit(policy, rollout, root, batches: int = 1, max_grad_norm: float = 0.2, mod
     if module.gradient_checkpointing:
         module.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     if rollout_noise > 0:
-        module.noisy_norms, module.aqn_apply_to = attach_noisy_norms(module.model), "rollout"
+        module.noisy_norms, module.aqn_apply_to = attach_noisy_norms(module.model), noise_apply_to
         module.noisy_norms.set_noise(rollout_noise, seed=1, step=0)
     before = [p.detach().clone() for p in module.trainable_parameters()]
     recorder = Recorder()
@@ -503,6 +503,30 @@ def test_rollout_only_noise_stays_off_in_the_training_backward(policy, mismatche
                        module_kw=dict(gradient_checkpointing=True), **kw)
     assert_same_update(noisy, clean, "rollout-only noise")
     assert_same_update(checkpointed, clean, "rollout-only noise, gradient checkpointing")
+
+
+def test_reference_pass_runs_without_noise_while_training_runs_with_it(policy, mismatched, tmp_path, monkeypatch):
+    """apply_to: both keeps the noise on for the training forwards, never for the KL reference: the
+    reference log-probs of a noisy run equal a noise-free run's (the frozen base, LoRA off), while
+    the policy's log-probs differ."""
+    import lightning_modules.qerl_module as qm
+
+    seen = []
+
+    def spy(logprobs, old, *args, ref_logprobs=None, **kwargs):
+        seen.append((logprobs.detach().clone(), ref_logprobs.clone()))
+        return real(logprobs, old, *args, ref_logprobs=ref_logprobs, **kwargs)
+
+    real = qm.policy_loss
+    monkeypatch.setattr(qm, "policy_loss", spy)
+    kw = dict(kl_coef=0.1, tis_cap=None)
+    fit(policy, mismatched, tmp_path / "clean", **kw)
+    clean, seen[:] = list(seen), []
+    fit(policy, mismatched, tmp_path / "noisy", rollout_noise=0.05, noise_apply_to="both", **kw)
+    assert len(seen) == len(clean) > 0
+    for (noisy_lp, noisy_ref), (clean_lp, clean_ref) in zip(seen, clean):
+        torch.testing.assert_close(noisy_ref, clean_ref, rtol=0, atol=1e-6)   # reference: noise off
+        assert (noisy_lp - clean_lp).abs().max() > 1e-3                      # training: noise on
 
 
 @pytest.mark.parametrize("bad", [dict(lr=-1e-3), dict(lr=0.0), dict(max_grad_norm=-1.0), dict(warmup_ratio=2.0),
