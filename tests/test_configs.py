@@ -96,11 +96,13 @@ def test_nested_config_errors_are_one_short_line(tmp_path, capsys):
         assert len(err.splitlines()) == 1 and reason in err and "Subtypes" not in err and "Given value" not in err, err
 
 
-def test_print_config_shows_the_defaults_of_sections_left_out(capsys):
-    """The 7B recipes leave `model.eval` out: it printed (and a run's config.yaml saved) `eval: null`
+def test_print_config_shows_the_defaults_of_sections_left_out(capsys, tmp_path):
+    """A recipe that leaves `model.eval` out printed (and a run's config.yaml saved) `eval: null`
     while EvalSettings' defaults ran; a saved config should say what ran."""
-    recipe = CONFIGS[0].parent / "gsm8k_qwen2.5-7b_grpo.yaml"
-    assert "\n  eval:" not in recipe.read_text()
+    full = (CONFIGS[0].parent / "gsm8k_qwen2.5-7b_grpo.yaml").read_text()
+    recipe = tmp_path / "no_eval.yaml"
+    recipe.write_text("".join(line for line in full.splitlines(True) if not line.startswith("  eval:")))
+    assert "\n  eval:" in full and "\n  eval:" not in recipe.read_text()
     with pytest.raises(SystemExit):
         main(["fit", "--config", str(recipe), "--print_config"])
     printed = yaml.safe_load(capsys.readouterr().out)["model"]
