@@ -157,7 +157,8 @@ LIGHTNING_ADVICE_THAT_DOES_NOT_APPLY = (
     # step checkpoints should hold a "pre-optimization" copy of the weights: here the post-step state is
     # the right one, it pairs with the optimizer state and global_step that resume continues from
     "Using ModelCheckpoint with manual optimization",
-    # prompts are strings, tokenized in the collate: a worker process would only add start-up time
+    # prompts are tokenized once, when the first dataloader is built: a batch is a list of ready rows,
+    # and a worker process would only add start-up time
     "The '(train|val|test)_dataloader' does not have many workers",
     # intended: on_after_batch_transfer restores a resumed run's RNG (see there)
     "You have overridden `on_after_batch_transfer`",

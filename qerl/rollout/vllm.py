@@ -17,8 +17,9 @@ Manual (``engine: vllm`` in ``RolloutCallback``, settings under ``vllm:`` = :cla
   memory under a new adapter id (a small loader installed on vLLM's worker feeds them to
   ``LoRAModel.from_lora_tensors``; vllm.md §3.3.3) → copy the noisy norm scales, and any trainable
   norms, in place into vLLM's parameters by name → reset the prefix cache → wake the KV cache →
-  ``generate`` with one ``SamplingParams`` per prompt → ``sleep(level=1)`` (every ``generate``
-  call wakes and sleeps, so DAPO refill rounds work too). With
+  ``generate`` with one ``SamplingParams`` per prompt → ``sleep(level=1)``. A ``generate`` outside
+  ``awake()`` wakes and sleeps by itself; the RolloutCallback holds the engine awake over a step's
+  DAPO refill rounds and evaluation over its batches, and sleeps once at the end. With
   ``adapter_via_disk`` the adapter goes through ``adapter_model.safetensors`` in tmpfs instead
   (public API only), as it does automatically when the in-memory loader cannot be installed
   (a vLLM whose private worker API moved; ``qerl/rollout/vllm_worker.py``). Either way an adapter
