@@ -51,6 +51,7 @@ class StepMetricsMixin:
             "train/clip_ratio/region": update_mean("clip_ratio/region"),
             "train/clip_ratio/dual": update_mean("clip_ratio/dual"),
             "train/is_ratio/mean": pre_mean("is_ratio", "is_weight"),  # over finite sampler log-probs
+            "train/policy_ratio/mean": update_mean("ratio/mean"),  # pi / pi_old, 1 in update 0
             "train/completion_length/mean": lengths.mean(),
             "train/completion_length/max": lengths.max(),
             "train/clipped_ratio": rollout.sampled_truncated().float().mean(),

@@ -133,6 +133,27 @@ def test_forward_and_input_grad_equal_dequantized_reference(dtype):
     assert lin.weight.grad is None
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[
+    pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")])])
+def test_reference_backend_dequantizes_and_agrees_with_the_kernels(device, monkeypatch):
+    """set_cuda_backend("reference") (A/B checks of the kernels) dequantizes + matmuls on CUDA too:
+    the same numbers as the kernel path to bf16 rounding; an unknown name is refused."""
+    import qerl.nvfp4 as nv
+
+    with pytest.raises(ValueError, match="unknown NVFP4 CUDA backend 'triton'"):
+        nv.set_cuda_backend("triton")
+    lin, _ = _linear(n=256, k=512)
+    lin = lin.to(device=device, dtype=torch.bfloat16)
+    x = torch.randn(4, 512, device=device, dtype=torch.bfloat16)
+    y_auto = lin(x)
+    monkeypatch.setattr(nv, "_CUDA_BACKEND", "auto")  # (restored after the test)
+    nv.set_cuda_backend("reference")
+    assert not nv._use_kernels(x)
+    y_ref = lin(x)
+    torch.testing.assert_close(y_ref, F.linear(x, lin.weight.dequantize(torch.bfloat16), lin.bias))
+    torch.testing.assert_close(y_auto, y_ref, rtol=2e-2, atol=2e-2)
+
+
 def test_state_dict_roundtrip_deepcopy_to_and_compile():
     lin, _ = _linear()
     x = torch.randn(4, 80)

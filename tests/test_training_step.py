@@ -505,6 +505,16 @@ def test_rollout_only_noise_stays_off_in_the_training_backward(policy, mismatche
     assert_same_update(checkpointed, clean, "rollout-only noise, gradient checkpointing")
 
 
+def test_policy_ratio_is_one_on_policy_and_moves_with_later_updates(policy, mismatched, tmp_path):
+    """train/policy_ratio/mean: pi / pi_old is exactly 1 in update 0 (on-policy, K = 1); with K = 2
+    the second update runs on moved weights, so the step's mean leaves 1 (by a bounded amount)."""
+    on_policy = fit(policy, mismatched, tmp_path / "k1", max_grad_norm=1e9)
+    assert on_policy.logged["train/policy_ratio/mean"] == 1.0
+    two = fit(policy, mismatched, tmp_path / "k2", max_grad_norm=1e9, updates_per_rollout=2)
+    ratio = two.logged["train/policy_ratio/mean"]
+    assert ratio != 1.0 and abs(ratio - 1.0) < 0.5, ratio
+
+
 def test_reference_pass_runs_without_noise_while_training_runs_with_it(policy, mismatched, tmp_path, monkeypatch):
     """apply_to: both keeps the noise on for the training forwards, never for the KL reference: the
     reference log-probs of a noisy run equal a noise-free run's (the frozen base, LoRA off), while
