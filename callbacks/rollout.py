@@ -153,11 +153,15 @@ class RolloutCallback(L.Callback):
         self.vllm = vllm or VLLMSettings()
         self.engine: RolloutEngine | None = None  # never an nn.Module attribute: not moved, not checkpointed
 
+    def hf_engine_options(self) -> dict:
+        """``HFEngine.for_model``'s options as set here (evaluation's own embedded engine uses them too)."""
+        return dict(cuda_graphs=self.cuda_graphs, adapter_dtype=self.hf_adapter_dtype,
+                    fused_ops=self.hf_fused_ops, fused_projections=self.hf_fused_ops)
+
     def make_engine(self, pl_module) -> RolloutEngine:
         tok = pl_module.tokenizer
         if self.engine_name == "hf":
-            return HFEngine.for_model(pl_module.model, tok, self.max_batch_size, self.cuda_graphs, self.hf_adapter_dtype,
-                                      fused_ops=self.hf_fused_ops, fused_projections=self.hf_fused_ops)
+            return HFEngine.for_model(pl_module.model, tok, self.max_batch_size, **self.hf_engine_options())
         if self.engine_name == "vllm":
             from qerl.rollout.vllm import VLLMEngine
 

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import math
 import os
 from dataclasses import dataclass
 from typing import Literal
@@ -26,7 +25,7 @@ from qerl.metrics import PassAtK, majority_vote
 from qerl.model import base_model_only
 from qerl.rewards import MathAccuracy, accuracy_reward
 from qerl.rollout import SamplingSettings
-from qerl.rollout.base import MIN_TEMPERATURE, derive_seed
+from qerl.rollout.base import check_temperature_top_p, derive_seed
 from qerl.seeding import check_seed
 from qerl.settings_checks import require_numbers
 
@@ -85,17 +84,11 @@ class EvalSettings:
         require_numbers(self, "model.eval")
         if self.samples < 0 or self.max_new_tokens < 1 or self.max_batch_size < 1:
             raise ValueError("model.eval.samples must be >= 0, max_new_tokens and max_batch_size >= 1")
-        # (written so that NaN fails: `nan < 0` is false, and a NaN temperature only failed at the
-        # first validation, after the training steps before it)
-        if not (self.temperature >= 0 and math.isfinite(self.temperature)):
-            raise ValueError(f"model.eval.temperature must be >= 0 and finite, got {self.temperature}")
+        check_temperature_top_p(self.temperature, self.top_p, "model.eval")  # (NaN fails: at start, not
+        # at the first validation after the training steps before it)
         if self.temperature == 0 and self.samples > 0:  # n copies of the greedy completion, decoded n times
             raise ValueError(f"model.eval.temperature 0 makes each of the {self.samples} samples the greedy completion "
                              "(pass@1 already is it): set eval.samples 0, or a temperature > 0 (the paper's 0.6)")
-        if 0 < self.temperature < MIN_TEMPERATURE:  # (logits / T overflows fp32)
-            raise ValueError(f"model.eval.temperature must be 0 or >= {MIN_TEMPERATURE:g}, got {self.temperature}")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"model.eval.top_p must be in (0, 1], got {self.top_p}")
         PassAtK(self.samples, self.pass_k)  # a bad pass_k: its own message
         check_seed(self.seed, "model.eval.seed")
 
@@ -191,12 +184,9 @@ class EvaluationMixin:
             if getattr(self, "_evaluation_engine", None) is None:
                 from qerl.rollout.hf import HFEngine
 
+                options = rollout_cb.hf_engine_options() if hasattr(rollout_cb, "hf_engine_options") else {}
                 self._evaluation_engine = HFEngine.for_model(
-                    self.model, self.tokenizer, self.eval_settings.max_batch_size,
-                    cuda_graphs=getattr(rollout_cb, "cuda_graphs", True),
-                    adapter_dtype=getattr(rollout_cb, "hf_adapter_dtype", "model"),
-                    fused_ops=getattr(rollout_cb, "hf_fused_ops", True),
-                    fused_projections=getattr(rollout_cb, "hf_fused_ops", True))
+                    self.model, self.tokenizer, self.eval_settings.max_batch_size, **options)
             engine = self._evaluation_engine
         use_adapter = self.eval_settings.use_adapter
         # adapter off: the base model, trained norms (trainable_norms) included, also for vLLM's copy

@@ -50,20 +50,25 @@ class SamplingSettings:
 
     def __post_init__(self) -> None:  # a bad YAML value fails at start, naming its key
         require_numbers(self, "sampling")
-        # each check is written so that NaN fails it (`nan < 0` is false: a NaN temperature reached
-        # torch.multinomial at the first rollout) and an infinite temperature is refused too
-        if not (self.temperature >= 0 and math.isfinite(self.temperature)):
-            raise ValueError(f"sampling.temperature must be >= 0 and finite (0: greedy), got {self.temperature}")
-        if 0 < self.temperature < MIN_TEMPERATURE:  # logits / 1e-40 overflow fp32: non-finite logits
-            raise ValueError(f"sampling.temperature must be 0 (greedy) or >= {MIN_TEMPERATURE:g}, got {self.temperature}")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"sampling.top_p must be in (0, 1] (1: off), got {self.top_p}")
+        check_temperature_top_p(self.temperature, self.top_p, "sampling")
         if not self.top_k >= 0:
             raise ValueError(f"sampling.top_k must be >= 0 (0: off), got {self.top_k}")
         if not self.max_new_tokens >= 1:
             raise ValueError(f"sampling.max_new_tokens must be >= 1, got {self.max_new_tokens}")
         if not 0 <= self.min_p <= 1:
             raise ValueError(f"sampling.min_p must be in [0, 1] (0: off), got {self.min_p}")
+
+
+def check_temperature_top_p(temperature: float, top_p: float, section: str) -> None:
+    """Refuse a temperature or top-p no sampler can use, naming ``section``'s key. Written so that
+    NaN fails (``nan < 0`` is false: a NaN temperature reached torch.multinomial at the first
+    rollout); an infinite temperature is refused too."""
+    if not (temperature >= 0 and math.isfinite(temperature)):
+        raise ValueError(f"{section}.temperature must be >= 0 and finite (0: greedy), got {temperature}")
+    if 0 < temperature < MIN_TEMPERATURE:  # logits / 1e-40 overflow fp32: non-finite logits
+        raise ValueError(f"{section}.temperature must be 0 (greedy) or >= {MIN_TEMPERATURE:g}, got {temperature}")
+    if not 0 < top_p <= 1:
+        raise ValueError(f"{section}.top_p must be in (0, 1] (1: off), got {top_p}")
 
 
 @dataclass
