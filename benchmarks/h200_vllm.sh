@@ -63,9 +63,12 @@ for stage in "$@"; do
         echo "gputest $f exit $?"; tail -1 "$OUT"/gputest_$(basename $f .py).log
       done
       ;;
-    eval)  # issue #7's base-model rows: GSM8K test, greedy, three arms (needs the deps bundle for nf4)
-      timeout 560 python3 benchmarks/eval_base.py --model $TESTBED --data data/gsm8k/test.jsonl --arms bf16,nvfp4,nf4 \
-        --out "$OUT"/eval_base_h200.json > "$OUT"/eval.log 2>&1
+    eval)  # issue #7's base-model rows: GSM8K test, greedy, three arms (needs the deps bundle for nf4);
+      # ~200 s an arm: EVAL_ARMS=bf16,nvfp4 in one call, EVAL_ARMS=nf4 in the next. The completions
+      # (each arm's eval/val_step0.json) come back under $OUT/eval_logs, to re-score on a CPU later
+      arms=${EVAL_ARMS:-bf16,nvfp4,nf4}
+      timeout 560 python3 benchmarks/eval_base.py --model $TESTBED --data data/gsm8k/test.jsonl --arms $arms \
+        --log-dir "$OUT"/eval_logs --out "$OUT"/eval_base_${arms//,/_}_h200.json > "$OUT"/eval.log 2>&1
       echo "eval exit $?"; grep -v "^INFO\|^DEBUG" "$OUT"/eval.log | tail -12
       ;;
     evalvllm)  # issue #7 "works with both engines": the same rows, evaluated in vLLM
