@@ -64,12 +64,14 @@ for stage in "$@"; do
       done
       ;;
     eval)  # issue #7's base-model rows: GSM8K test, greedy, three arms (needs the deps bundle for nf4);
-      # ~200 s an arm: EVAL_ARMS=bf16,nvfp4 in one call, EVAL_ARMS=nf4 in the next. The completions
-      # (each arm's eval/val_step0.json) come back under $OUT/eval_logs, to re-score on a CPU later
+      # (EVAL_ARMS=bf16,nvfp4 for some). Each arm's completions (its eval/val_step0.json) come back as
+      # $OUT/eval_completions_<arm>.json, to re-score on a CPU later
       arms=${EVAL_ARMS:-bf16,nvfp4,nf4}
+      rm -rf /tmp/eval_logs
       timeout 560 python3 benchmarks/eval_base.py --model $TESTBED --data data/gsm8k/test.jsonl --arms $arms \
-        --log-dir "$OUT"/eval_logs --out "$OUT"/eval_base_${arms//,/_}_h200.json > "$OUT"/eval.log 2>&1
+        --log-dir /tmp/eval_logs --out "$OUT"/eval_base_h200.json > "$OUT"/eval.log 2>&1
       echo "eval exit $?"; grep -v "^INFO\|^DEBUG" "$OUT"/eval.log | tail -12
+      for arm in ${arms//,/ }; do cp /tmp/eval_logs/$arm/version_0/eval/val_step0.json "$OUT"/eval_completions_$arm.json; done
       ;;
     evalvllm)  # issue #7 "works with both engines": the same rows, evaluated in vLLM
       for arm in ${EVAL_ARMS:-nvfp4 bf16 nf4}; do
