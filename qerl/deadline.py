@@ -49,7 +49,7 @@ def call_with_deadline(fn: Callable[[], _T], seconds: float) -> _T:
     C-level operation does not: math-verify's numeric check of a power with a huge exponent
     (``10^{10^{10^{10}}}`` against ``y^2``) shifts a big integer by ~10^10 bits inside mpmath, 10-19 s
     and ~9 GB past a 2 s deadline. ``MathAccuracy`` keeps such numbers from math-verify beforehand
-    (``qerl.math_parsing.has_huge_power``); this deadline does not bound them.
+    (``qerl.huge_power.has_huge_power``); this deadline does not bound them.
     Outside the main thread no signal can be used: there only the input-length caps bound the cost.
     """
     if seconds <= 0 or seconds > _LONGEST_TIMER_S or not _can_use_alarm():

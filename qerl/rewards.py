@@ -41,10 +41,11 @@ from qerl.answers import (  # noqa: F401
     extract_gsm8k_gold, hash_answer, hash_line_hedges, is_long_integer, long_integers_equal, normalize_digits,
     normalize_minus, unwrap_emphasis)
 from qerl.deadline import call_with_deadline as _deadline
+from qerl.huge_power import _MAX_POWER_LOG10, _same_text, has_huge_power  # noqa: F401 (re-exported)
 from qerl.math_parsing import (  # noqa: F401 (re-exported)
-    _DIGIT_SEP_RE, _MAX_POWER_LOG10, _SPACE_SEP_RE, _is_multi_valued, _parse_gold, _parse_pred, _same_text,
-    _text_number, closes_at_infinity, degrees_as_circ, has_expression, has_huge_power, is_bare_math,
-    lists_several_values, parse_hash_line, percents_as_numbers, starts_with_relation)
+    _DIGIT_SEP_RE, _SPACE_SEP_RE, _is_multi_valued, _parse_gold, _parse_pred, _text_number, closes_at_infinity,
+    degrees_as_circ, has_expression, is_bare_math, lists_several_values, parse_hash_line, percents_as_numbers,
+    starts_with_relation)
 from qerl.reward_function import RewardFunction, _warn_limited
 
 logger = logging.getLogger(__name__)

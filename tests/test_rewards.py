@@ -817,14 +817,14 @@ def test_a_tower_in_the_reasoning_does_not_guard_the_answer(monkeypatch, complet
     ("She earns 18 dollars (9 * 2 = 18)!", False), ("", False), ("^" * 1000, False), ("{" * 100_000, False),
 ])
 def test_has_huge_power(text: str, huge: bool) -> None:
-    from qerl.math_parsing import has_huge_power
+    from qerl.huge_power import has_huge_power
 
     assert has_huge_power(text) is huge
 
 
 def test_has_huge_power_is_one_pass_without_recursion() -> None:
     """Deep nesting and long chains end (a stack, no recursion: 100k levels would overflow Python's) and never raise."""
-    from qerl.math_parsing import has_huge_power
+    from qerl.huge_power import has_huge_power
 
     assert has_huge_power("x^{" * 100_000) is False
     assert has_huge_power("2^{" * 100_000) is True
