@@ -44,9 +44,17 @@ def _hf_model(model: nn.Module) -> nn.Module:
 
 def hf_name(name: str) -> str:
     """A parameter/module name with peft's wrapping removed: ``base_model.model.`` prefix,
-    ``.base_layer`` and ``.original_module`` (peft keeps the untouched weights there)."""
-    name = name.removeprefix(PEFT_PREFIX)
-    return ".".join(p for p in name.split(".") if p not in ("base_layer", "original_module"))
+    ``.base_layer`` and ``.original_module`` (peft keeps the untouched weights there), and
+    ``.modules_to_save.<adapter>`` (the trained copy of the same module)."""
+    out, skip = [], False
+    for part in name.removeprefix(PEFT_PREFIX).split("."):
+        if skip:  # the adapter name after `modules_to_save`
+            skip = False
+        elif part == "modules_to_save":
+            skip = True
+        elif part not in ("base_layer", "original_module"):
+            out.append(part)
+    return ".".join(out)
 
 
 def _is_adapter(name: str) -> bool:

@@ -169,6 +169,15 @@ def test_fused_global_scales_shared_and_2688_over_amax(nvfp4_export):
             assert scales[0].item() == pytest.approx(448 * 6 / amax, rel=1e-6)
 
 
+def test_hf_name_strips_every_peft_wrapper():
+    """peft's names -> the transformers model's: the prefix, base_layer, original_module, and the trained
+    copy of a modules_to_save module (its adapter name after it)."""
+    assert hf_name("base_model.model.model.layers.0.self_attn.q_proj.base_layer.weight") == "model.layers.0.self_attn.q_proj.weight"
+    assert hf_name("base_model.model.lm_head.original_module.weight") == "lm_head.weight"
+    assert hf_name("base_model.model.lm_head.modules_to_save.default.weight") == "lm_head.weight"
+    assert hf_name("model.norm.weight") == "model.norm.weight"
+
+
 def test_other_tensors_16bit_hf_names_no_lora(nvfp4_export):
     """Embeddings, norms, lm_head, biases in bf16 under HF names; no peft names; adapter written
     next to a peft model's export; trained norms exported as they are in the model."""

@@ -12,7 +12,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from qerl.model import PEFT_PREFIX
+from qerl.adapter import hf_name
 from qerl.rollout.base import Generation, NonFiniteLogits, SamplingSettings
 
 ALLOWED_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # vllm/config/lora.py MaxLoRARanks
@@ -30,16 +30,8 @@ def hf_to_vllm_norm_name(name: str) -> str:
     """vLLM parameter name of a norm given by HF module or parameter name, peft-wrapped or not:
     ``base_model.model.model.layers.3.input_layernorm`` -> ``model.layers.3.input_layernorm.weight``.
     Qwen2/Qwen3/Llama norms keep their HF names in vLLM (vllm.md §3.2)."""
-    name = name.removeprefix(PEFT_PREFIX)
-    parts, out, skip = name.split("."), [], False
-    for p in parts:
-        if skip:  # the adapter name after `modules_to_save`
-            skip = False
-        elif p == "modules_to_save":
-            skip = True
-        elif p not in ("base_layer", "original_module"):
-            out.append(p)
-    return ".".join(out if out[-1] == "weight" else [*out, "weight"])
+    name = hf_name(name)
+    return name if name.endswith(".weight") else f"{name}.weight"
 
 
 def adapter_tensors(peft_model: nn.Module) -> dict[str, torch.Tensor]:
