@@ -16,7 +16,8 @@ power of two (M > 1024 is one bucket that always takes ``dequant``). On the firs
 candidates of that bucket are timed by ``tune`` (a CUDA graph of launches rotating over copies of
 the weight, so it is not timed from L2, like a real layer's) and the fastest is kept for the
 process (``QERL_KERNELS_VERBOSE=1`` logs the timings). During CUDA-graph capture, or with
-``QERL_KERNELS_AUTOTUNE=0``, no timing happens: the bucket's first (default) candidate is used. ``KERNEL_PRESETS`` can pin a config per key.
+``QERL_KERNELS_AUTOTUNE=0``, no timing happens: the bucket's first (default) candidate is used.
+``KERNEL_PRESETS`` can pin a config per key.
 """
 
 import logging
