@@ -66,7 +66,7 @@ for stage in "$@"; do
     eval)  # issue #7's base-model rows: GSM8K test, greedy, three arms (needs the deps bundle for nf4);
       # (EVAL_ARMS=bf16,nvfp4 for some). Each arm's completions (its eval/val_step0.json) come back as
       # $OUT/eval_completions_<arm>.json, to re-score on a CPU later
-      arms=${EVAL_ARMS:-bf16,nvfp4,nf4}
+      arms=${EVAL_ARMS:-bf16,nvfp4,nf4}; arms=${arms// /,}  # (commas or spaces)
       rm -rf /tmp/eval_logs
       timeout 560 python3 benchmarks/eval_base.py --model $TESTBED --data data/gsm8k/test.jsonl --arms $arms \
         --log-dir /tmp/eval_logs --out "$OUT"/eval_base_h200.json > "$OUT"/eval.log 2>&1
@@ -74,7 +74,8 @@ for stage in "$@"; do
       for arm in ${arms//,/ }; do cp /tmp/eval_logs/$arm/version_0/eval/val_step0.json "$OUT"/eval_completions_$arm.json; done
       ;;
     evalvllm)  # issue #7 "works with both engines": the same rows, evaluated in vLLM
-      for arm in ${EVAL_ARMS:-nvfp4 bf16 nf4}; do
+      evarms=${EVAL_ARMS:-nvfp4 bf16 nf4}
+      for arm in ${evarms//,/ }; do  # (spaces or commas; one process per arm)
         timeout 240 python3 benchmarks/eval_base.py --model $TESTBED --data data/gsm8k/test.jsonl --arms $arm \
           --engine vllm --append --out "$OUT"/eval_base_vllm_h200.json > "$OUT"/evalvllm_$arm.log 2>&1
         echo "evalvllm $arm exit $?"; grep -v "^INFO\|^DEBUG\|^(EngineCore" "$OUT"/evalvllm_$arm.log | tail -4

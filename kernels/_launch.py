@@ -15,7 +15,7 @@ Configs are chosen per shape bucket ``(op, dtype, bucket(M), N, K)`` where ``buc
 power of two (M > 1024 is one bucket that always takes ``dequant``). On the first call for a key the
 candidates of that bucket are timed by ``tune`` (a CUDA graph of launches rotating over copies of
 the weight, so it is not timed from L2, like a real layer's) and the fastest is kept for the
-process (``QERL_KERNELS_VERBOSE=1`` logs the timings). During CUDA-graph capture, or with
+process (``QERL_KERNELS_VERBOSE=1`` prints the timings). During CUDA-graph capture, or with
 ``QERL_KERNELS_AUTOTUNE=0``, no timing happens: the bucket's first (default) candidate is used.
 ``KERNEL_PRESETS`` can pin a config per key.
 """
@@ -29,7 +29,6 @@ import triton
 
 from . import check_out
 from . import nvfp4_w4a16 as K_
-from .cuda_graphs import abandon_capture
 
 log = logging.getLogger("qerl.kernels")
 
@@ -282,8 +281,10 @@ def _choose(op, a, qdata, scale, pts, out) -> Config:
             or torch.cuda.is_current_stream_capturing()):
         return cands[0]
     res = tune(op, a, qdata, scale, pts, out, cands)
-    (log.info if os.environ.get("QERL_KERNELS_VERBOSE", "0") == "1" else log.debug)(
-        "tune %s M=%d N=%d K=%d: %s", op, M, N, K, "; ".join(f"{c.short()} {ms * 1e3:.1f}us" for ms, c in res))
+    timings = f"tune {op} M={M} N={N} K={K}: " + "; ".join(f"{c.short()} {ms * 1e3:.1f}us" for ms, c in res)
+    if os.environ.get("QERL_KERNELS_VERBOSE", "0") == "1":
+        print(f"[kernels] {timings}", flush=True)  # (benchmarks/ scripts read it without a log handler)
+    log.debug(timings)
     if not res:  # every candidate failed (out of memory mid-training, say): the default, cached like a
         # winner so the failing tune is not repeated at every call of this shape
         log.warning("tuning %s for M=%d N=%d K=%d: every candidate failed; using %s untimed",
@@ -341,6 +342,8 @@ def tune(op, a, qdata, scale, pts, out, cands, copy_bytes=2e8, reps=7):
                         q, sc = weights[i % len(weights)]
                         _run(op, a, q, sc, pts, out, c)
             except Exception:
+                from qerl.cuda_graphs import abandon_capture  # (qerl is what runs these kernels)
+
                 abandon_capture(g, stream)  # else later allocations land in the dead graph's pool
                 raise
             g.replay()

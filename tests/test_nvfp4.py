@@ -212,6 +212,17 @@ def test_kernels_load_past_a_foreign_kernels_package(monkeypatch):
 
 
 
+def test_embedded_engine_imports_past_a_foreign_kernels_package(monkeypatch):
+    """Hugging Face's `kernels` package shadowing ours must not break the hf engine's import
+    (the CUDA-graph helper it needs lives in qerl, not in kernels/)."""
+    import importlib
+    import types
+
+    monkeypatch.setitem(sys.modules, "kernels", types.ModuleType("kernels"))  # a foreign, flat module
+    monkeypatch.delitem(sys.modules, "qerl.rollout.decoders", raising=False)
+    assert callable(importlib.import_module("qerl.rollout.decoders").abandon_capture)
+
+
 def test_to_another_dtype_copies_the_packed_tensors():
     """``_to_copy`` returns a copy (it aliased the codes: a later ``copy_`` into one changed both)."""
     w = NVFP4WeightTensor.from_float(torch.randn(32, 64))              # presents fp32

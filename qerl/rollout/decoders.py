@@ -16,8 +16,8 @@ import logging
 import torch
 import torch.nn.functional as F
 
-from kernels.cuda_graphs import abandon_capture
 from qerl.attention_masks import model_mask, padded_causal_mask
+from qerl.cuda_graphs import abandon_capture
 
 log = logging.getLogger("qerl.rollout.hf")  # (the engine's logger: its warnings read as the engine's)
 

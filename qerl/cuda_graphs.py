@@ -1,6 +1,7 @@
 """What a failed CUDA-graph capture leaves behind, undone (shared by the kernel tuner and the decoder).
 
-No Triton here: ``qerl.rollout.decoders`` imports this on any machine with CUDA torch.
+Plain torch, no Triton: imported on every machine (``qerl.rollout.decoders``), and lazily by
+``kernels/_launch.py``'s tuner.
 """
 
 import torch
