@@ -659,7 +659,7 @@ def test_entropy_rises_with_sigma():
         print(f"{sigma:<6} {ent:.4f}")
     assert table[0.01] >= table[0.0] - 0.01 and table[0.05] >= table[0.0] - 0.01
     assert table[0.2] > table[0.0] and table[0.5] > table[0.2]
-    assert table[0.5] > table[0.0] + 0.2  # measured: ~0.09 at sigma 0 vs ~0.5 at sigma 0.5
+    assert table[0.5] > table[0.0] + 0.2  # measured 2026-12-03: 0.084 at sigma 0 vs 0.69 at sigma 0.5
 
 
 _INF, _NAN = float("inf"), float("nan")
