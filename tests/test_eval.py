@@ -435,3 +435,25 @@ def test_vote_key_merges_spellings_of_one_number_only():
     assert len({vote_key(a) for a in ["3 million", "3", "2 pi", "2", "5 squared", "5"]}) == 6
     long = "\\frac" + "1" * 20_000 + "x"  # adversarial: returned as text at once, no backtracking
     assert vote_key(long) == long
+
+
+def test_evaluations_embedded_engine_takes_the_rollout_callbacks_engine_options(tmp_path, monkeypatch):
+    """validate builds its own embedded engine (eval.max_batch_size) with the RolloutCallback's
+    cuda_graphs / hf_adapter_dtype / hf_fused_ops, not HFEngine's defaults."""
+    from qerl.rollout.hf import HFEngine
+
+    monkeypatch.chdir(tmp_path)
+    args = fast_args(tmp_path, 2, extra=("--model.eval.max_batch_size", "3"))
+    cfg = yaml.safe_load(Path(args[1]).read_text())
+    rollout = next(cb for cb in cfg["trainer"]["callbacks"] if cb["class_path"].endswith("RolloutCallback"))
+    rollout["init_args"].update(cuda_graphs=False, hf_adapter_dtype="stored", hf_fused_ops=False, max_batch_size=7)
+    Path(args[1]).write_text(yaml.safe_dump(cfg))
+    made, original = [], HFEngine.for_model.__func__
+
+    def for_model(cls, model, tokenizer, max_batch_size=64, **options):
+        made.append((max_batch_size, options))
+        return original(cls, model, tokenizer, max_batch_size, **options)
+
+    monkeypatch.setattr(HFEngine, "for_model", classmethod(for_model))
+    main(["validate", *args])
+    assert made == [(3, dict(cuda_graphs=False, adapter_dtype="stored", fused_ops=False, fused_projections=False))]
