@@ -262,7 +262,8 @@ class QeRLModule(PolicyForwardMixin, ResumeMixin, EvaluationMixin, StepMetricsMi
         # ratios, grad norm) count only once it is applied; entropy and IS ratio are pre-update values
         # read in update 0's pass, skipped or not.
         lr = opt.param_groups[0]["lr"]  # the LR of this step's first update (logged as train/lr)
-        local_tokens = loss_mask.sum().clamp(min=1).item()  # weights of this rank's logged means
+        loss_tokens = loss_mask.sum().item()
+        local_tokens = max(loss_tokens, 1)  # weights of this rank's logged means
         sampled_tokens = completion_mask.sum().clamp(min=1).item()  # (the pre-update ones: every sampled token)
         num_tokens = self.token_normaliser(loss_mask)  # dapo's: the global token count / W
         sums: dict[str, float] = {}  # the applied updates' metrics, summed over updates
@@ -364,7 +365,8 @@ class QeRLModule(PolicyForwardMixin, ResumeMixin, EvaluationMixin, StepMetricsMi
                     raise self.skipped_streak_error(what)
                 continue
             self._streaks["skipped"] = 0
-            for k, v in update_sums.items():
+            # no token in the loss (every completion truncated under mask_truncated): no per-token means, NaN not 0
+            for k, v in update_sums.items() if loss_tokens else ():
                 sums[k] = sums.get(k, 0.0) + v
             losses.append(update_loss)
             grad_norms.append(float(grad_norm))

@@ -27,12 +27,13 @@ class StepMetricsMixin:
     def _log_step(self, rollout: Rollout, sums, losses, grad_norms, pre, train_time, lr, step: int,
                   updates: dict[str, int]) -> None:
         """One point per curve for this rollout batch (at ``step``, the optimizer step it started at);
-        the update scalars are means over the applied updates (NaN when every update was skipped:
-        nothing was trained on). ``updates``: how many of the batch's updates were skipped (non-finite)
+        the update scalars are means over the applied updates (NaN when every update was skipped, or
+        no token reached the loss: nothing was trained on). ``updates``: how many of the batch's updates were skipped (non-finite)
         and how many recomputed without cuDNN attention."""
         G = rollout.group_size
         applied = len(losses)
-        update_mean = lambda key: sums.get(key, 0.0) / applied if applied else float("nan")  # noqa: E731
+        # (a key is missing when no token reached the loss: every completion truncated under mask_truncated)
+        update_mean = lambda key: sums[key] / applied if applied and key in sums else float("nan")  # noqa: E731
         pre_mean = lambda key, weight="weight": pre[key] / pre[weight] if pre[weight] else float("nan")  # noqa: E731
         rewards = rollout.rewards.float()
         group_std = rewards.view(-1, G).std(-1) if G > 1 else torch.zeros(rewards.numel())

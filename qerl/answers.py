@@ -213,6 +213,16 @@ def strip_trailing_marks(line: str) -> str:
         end = cut - mark
 
 
+def final_hash_line(text: str) -> str | None:
+    """The line after the last ``####`` when it ends the text (only blanks after it), stripped; else None.
+    Unlike `hash_answer` it may start with a word (``#### It is 72``): the last thing the completion says."""
+    start = text.rfind("####")
+    if start < 0:
+        return None
+    line, _, after = text[start + 4:].partition("\n")
+    return line.strip() if not after.strip() else None
+
+
 def hash_line_hedges(line: str) -> bool:
     """Whether a ``####`` answer line denies or hedges its value (``71 or 72``, ``18 is not right``, ``17 (not
     18)``, ``18 dollars is wrong``): such a line answers nothing (see `_HEDGE_RE`)."""

@@ -13,7 +13,7 @@ from functools import lru_cache
 import math_verify
 from sympy import Basic, Integer, MatrixBase, Mul, Number, Rational, UnevaluatedExpr
 
-from qerl.answers import _BOX_RE, starts_with_relation  # noqa: F401 (re-exported)
+from qerl.answers import _BOX_RE, hash_line_hedges, starts_with_relation  # noqa: F401 (re-exported)
 
 
 @lru_cache(maxsize=4096)
@@ -140,21 +140,32 @@ def lists_several_values(line: str) -> bool:
     return values + (_VALUE_RE.search(text, start) is not None) > 1
 
 
-def _text_number(boxed: str) -> str | None:
-    """``\\text{18 dollars}`` or ``18 dollars`` → ``18``: the number of a box that, with ``\\text{}``
-    unwrapped, is one number plus unit words; None for anything else (``\\text{Evelyn}``, ``2 and 3``)."""
+def _number_with_words(boxed: str) -> tuple[str, str] | None:
+    """``\\text{18 dollars}``, ``18\\text{ dollars}`` or ``18 dollars`` → ``("18", "dollars")``: a box that, with
+    ``\\text{}`` unwrapped, is one number plus words (``""`` for none: ``\\text{18}``); None for anything else
+    (``\\text{Evelyn}``, ``2 and 3``)."""
     if "\\" not in boxed:
         m = _BARE_NUMBER_UNITS_RE.fullmatch(boxed)
-        if m is None or any(w.lower() in _NOT_UNITS for w in re.findall(r"[A-Za-z]+", m.group(2))):
-            return None
-        return m.group(1)
+        return (m.group(1), m.group(2)) if m is not None else None
     unwrapped = _TEXT_RE.sub(r"\1", boxed)
     if unwrapped == boxed:
         return None
     m = _NUMBER_UNITS_RE.fullmatch(unwrapped)
-    if m is None or any(w.lower() in _NOT_UNITS for w in re.findall(r"[A-Za-z]+", m.group(2) or "")):
-        return None  # (`\text{3 million}`, `\text{5 less than x}` are other answers than the number)
-    return m.group(1)
+    return (m.group(1), m.group(2) or "") if m is not None else None
+
+
+def _words_change_the_number(words: str) -> bool:
+    """Whether the words after a number make it another answer (``3 million``, ``5 less than x``, ``2 pi``) or
+    no answer (``18 is wrong``, ``17 or more``; `qerl.answers.hash_line_hedges`), rather than its units."""
+    return hash_line_hedges(words) or any(w.lower() in _NOT_UNITS for w in re.findall(r"[A-Za-z]+", words))
+
+
+def _text_number(boxed: str) -> str | None:
+    """``\\text{18 dollars}`` or ``18 dollars`` → ``18``: the number of a box that, with ``\\text{}``
+    unwrapped, is one number plus unit words; None for anything else (``\\text{Evelyn}``, ``2 and 3``,
+    ``\\text{3 million}``, ``18\\text{ is wrong}``: other answers than the number, or none)."""
+    found = _number_with_words(boxed)
+    return found[0] if found is not None and not _words_change_the_number(found[1]) else None
 
 
 _LATEX_COMMAND_RE = re.compile(r"\\[A-Za-z]+")
@@ -163,13 +174,15 @@ _LATEX_WORDS_RE = re.compile(rf"\\(?:{_TEXT_MACROS}|operatorname|begin|end)\s*\{
 _WORD_RE = re.compile(r"(?<![A-Za-z])[A-Za-z]{2,}")
 # Two numbers with words between them (commands aside): `2 hours and 30 minutes`, `5 feet 6 inches`.
 _WORDS_BETWEEN_NUMBERS_RE = re.compile(r"\d\s*[A-Za-z][A-Za-z\s,;]*\d")
+_LATEX_SPACE_RE = re.compile(r"\\[,;:! ]|\\q?quad(?![A-Za-z])|~")  # LaTeX spacing: a blank
 
 
 def _is_compound_quantity(boxed: str) -> bool:
     """Whether a box holds two numbers with ``\\text{}`` words between them (``2\\text{ hours and }30\\text{ minutes}``,
     ``5 \\text{ feet } 6 \\text{ inches}``): a quantity in mixed units, which math-verify reads as its first number."""
     unwrapped = _TEXT_RE.sub(r" \1 ", boxed)
-    return unwrapped != boxed and _WORDS_BETWEEN_NUMBERS_RE.search(_LATEX_COMMAND_RE.sub("#", unwrapped)) is not None
+    spaced = _LATEX_SPACE_RE.sub(" ", unwrapped)  # (`2\,\text{h}\,30\,\text{min}`, `\quad`)
+    return unwrapped != boxed and _WORDS_BETWEEN_NUMBERS_RE.search(_LATEX_COMMAND_RE.sub("#", spaced)) is not None
 
 
 def is_bare_math(text: str) -> bool:
@@ -178,6 +191,18 @@ def is_bare_math(text: str) -> bool:
     commands (``The answer is 72``, ``72 clips``) or an unclosed box is text to parse instead."""
     words = _LATEX_COMMAND_RE.sub(" ", _LATEX_WORDS_RE.sub(" ", text))
     return not _WORD_RE.search(words) and not _BOX_RE.search(text)
+
+
+_DECIMALS_RE = re.compile(r"(?<![\d.])\d*\.(\d+)")
+DEFAULT_FLOAT_ROUNDING = 6  # math-verify's: `1/3` matches `0.333333`
+
+
+def float_rounding(*answers: str) -> int:
+    """The decimal places math-verify rounds floats to before comparing them: its default (6), or more when
+    the gold or the answer is written with more (``.0000672``: 7), so that ``0.0000673`` is not ``.0000672``
+    and ``0.0000014`` not ``0.000001``. A number's places beyond 6 are then compared as written."""
+    places = [len(m) for a in answers for m in _DECIMALS_RE.findall(a[:1000])]
+    return max([DEFAULT_FLOAT_ROUNDING, *places])
 
 
 def has_expression(parsed: list | tuple) -> bool:
@@ -218,9 +243,11 @@ def _parse_cached(text: str, boxed: str | None) -> tuple:
         strings = [p for p in parsed if isinstance(p, str)]
         number = _text_number(strings[-1].strip()) if strings else None
         return parsed if number is None else tuple(math_verify.parse(f"${number}$", parsing_timeout=None)) + parsed
-    number = _text_number(boxed)
-    if number is not None:
-        return tuple(math_verify.parse(f"${number}$", parsing_timeout=None))
+    found = _number_with_words(boxed)
+    if found is not None:  # math-verify would keep the number of `70\text{ thousand}` or `18\text{ is wrong}` too
+        if _words_change_the_number(found[1]):
+            return ()
+        return tuple(math_verify.parse(f"${found[0]}$", parsing_timeout=None))
     parsed = math_verify.parse(text, parsing_timeout=None)
     if not has_expression(parsed):
         if _LOOSE_BOX_RE.search(boxed):

@@ -40,7 +40,14 @@ def pass_at_k(n: int, c: int, k: int) -> float:
 _LATEX_NOISE = re.compile(r"\\[!,;: ]|\\?\$|\{,\}|\\(?:left|right)(?![a-zA-Z])")
 _OUTER_PARENS = re.compile(r"^\\?\((.*?)\\?\)$")
 _THOUSANDS = re.compile(r"(?<=\d),(?=\d{3}(?!\d))")
-_FRACTION = re.compile(r"^([-+]?)\\[dt]?frac\{?([-+]?\d+)\}?\{?(\d+)\}?$|^([-+]?\d+)/(\d+)$")
+# `\frac{12}{5}`, `\frac125` (LaTeX: 1/2 then 5, so no match), `\dfrac{-1}2`, `12/5`; an argument without braces is one digit
+_FRACTION = re.compile(r"^([-+]?)\\[dt]?frac(?:\{([-+]?\d+)\}|(\d))(?:\{(\d+)\}|(\d))$|^([-+]?\d+)/(\d+)$")
+# spellings of one LaTeX expression (`\dfrac{\pi}{2}`, `\frac\pi2`; `\sqrt2`, `\sqrt{2}`): the forms a wrong answer
+# votes in, so that it is one vote however written (a right answer is one vote already: the grader matched each)
+_LATEX_SPELLINGS = ((re.compile(r"\\[dt]frac(?![A-Za-z])"), r"\\frac"),
+                    (re.compile(r"\\(frac|sqrt|binom)(?![A-Za-z])\s*([0-9A-Za-z]|\\[A-Za-z]+)"), r"\\\1{\2}"),
+                    (re.compile(r"\\(frac|binom)(\{(?:[^{}]|\{[^{}]*\})*\})\s*([0-9A-Za-z]|\\[A-Za-z]+)"),
+                     r"\\\1\2{\3}"))
 _DECIMAL = re.compile(r"^[-+]?(?:\d+(?:\.\d*)?|\.\d+)$")
 _PERCENT = re.compile(r"\\?%$")
 
@@ -50,7 +57,8 @@ def vote_key(answer: str | None) -> str:
     or a fraction (``\\frac{1}{2}``, ``\\dfrac12``, ``1/2``, ``0.5`` alike), also with thousands
     commas, ``$``, ``%``, LaTeX spacing, outer parentheses, a Unicode minus or unit words (``1,000``,
     ``$1000``, ``1000.0``, ``1\\,000``, ``\\text{1000 apples}`` alike, as the grader scores them)
-    -- else its text without blanks; a tuple or interval (``(2,100)``, ``[1, 2]``) is text, never
+    -- else its text without blanks, ``$``, LaTeX spacing and ``\\left`` / ``\\right``, in one spelling
+    (``\\dfrac{\\pi}{2}``, ``\\frac\\pi2`` → ``\\frac{\\pi}{2}``; ``\\sqrt2`` → ``\\sqrt{2}``); a tuple or interval (``(2,100)``, ``[1, 2]``) is text, never
     the number its digits would spell; "" for no answer (no vote)."""
     if answer is None:
         return ""
@@ -58,6 +66,9 @@ def vote_key(answer: str | None) -> str:
     text = "".join(answer.split())
     if len(text) > 64:  # not a number anyone writes; and the patterns would backtrack
         return text
+    text = "".join(_LATEX_NOISE.sub("", answer).split())
+    for spelling, canonical in _LATEX_SPELLINGS:
+        text = spelling.sub(canonical, text)
     core = answer.strip()
     # unit words as the grader reads them (`\text{18 dollars}`, `18 dollars`; not `3 million`, `2 pi`)
     core = _text_number(strip_end_punctuation(core)) or core
@@ -68,8 +79,8 @@ def vote_key(answer: str | None) -> str:
     bare = _PERCENT.sub("", _OUTER_PARENS.sub(r"\1", _LATEX_NOISE.sub("", bare)))
     if _DECIMAL.match(bare):
         return str(Fraction(bare))
-    if (m := _FRACTION.match(bare)) and int(m[3] or m[5]) != 0:
-        sign, num, den = (m[1], m[2], m[3]) if m[2] is not None else ("", m[4], m[5])
+    if (m := _FRACTION.match(bare)) and int(m[4] or m[5] or m[7]) != 0:
+        sign, num, den = (m[1], m[2] or m[3], m[4] or m[5]) if m[6] is None else ("", m[6], m[7])
         return str(Fraction(int(num), int(den)) * (-1 if sign == "-" else 1))
     return text
 

@@ -225,7 +225,8 @@ class NVFP4WeightTensor(TorchAOBaseTensor):
         else:
             check_finite(w, name)  # its codes would be NaN even under a finite shared scale
             pts = per_tensor_scale
-        pts = pts.detach().to(device=w.device, dtype=torch.float32).reshape(())
+        # its own copy: q/k/v share the value, not the storage (a later copy_ into one must not rescale the others)
+        pts = pts.detach().to(device=w.device, dtype=torch.float32).reshape(()).clone()
         scale, qdata = nvfp4_quantize(w, BLOCK_SIZE, pts)
         return cls(qdata, scale, pts, orig_dtype)
 
@@ -264,6 +265,22 @@ def _to_copy(func, types, args, kwargs):
     dtype = kwargs.get("dtype") or w.orig_dtype
     move = lambda t: t.to(device=device, copy=True)  # noqa: E731
     return NVFP4WeightTensor(move(w.qdata), move(w.scale), move(w.per_tensor_scale), dtype)
+
+
+@implements(aten.copy_.default)
+def _copy_(func, types, args, kwargs):
+    """``load_state_dict``'s in-place load: an NVFP4 weight of the same shapes copies its codes and
+    scales; a dense tensor (a 16-bit checkpoint) is refused in one line rather than failing inside torchao."""
+    dst, src = args[0], args[1]
+    if not isinstance(src, NVFP4WeightTensor):
+        raise TypeError(f"cannot copy a dense {src.dtype} tensor of shape {tuple(src.shape)} into an NVFP4 weight: "
+                        "the base is frozen in NVFP4; load a 16-bit checkpoint with qerl.model.load_policy "
+                        "(quantization: nvfp4 quantizes it), or NVFP4WeightTensor.from_float(weight)")
+    if (dst.qdata.shape, dst.scale.shape) != (src.qdata.shape, src.scale.shape):
+        raise ValueError(f"NVFP4 copy_: shape {tuple(src.shape)} into {tuple(dst.shape)}")
+    for name in ("qdata", "scale", "per_tensor_scale"):
+        getattr(dst, name).copy_(getattr(src, name))
+    return dst
 
 
 @implements([aten.mm.default, aten.addmm.default, aten.matmul.default, aten.t.default, aten.linear.default])

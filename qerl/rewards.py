@@ -38,13 +38,13 @@ import math_verify
 
 from qerl.answers import (  # noqa: F401
     _ZERO_WIDTH, _boxed_spans, answer_tag_content, boxed_answers, clean_hash_answer, extract_answer, extract_boxed,
-    extract_gsm8k_gold, hash_answer, hash_line_hedges, is_long_integer, long_integers_equal, normalize_digits,
+    extract_gsm8k_gold, final_hash_line, hash_answer, hash_line_hedges, is_long_integer, long_integers_equal, normalize_digits,
     normalize_minus, unwrap_emphasis)
 from qerl.deadline import call_with_deadline as _deadline
 from qerl.huge_power import _MAX_POWER_LOG10, _same_text, has_huge_power  # noqa: F401 (re-exported)
 from qerl.math_parsing import (  # noqa: F401 (re-exported)
     _DIGIT_SEP_RE, _SPACE_SEP_RE, _is_multi_valued, _parse_gold, _parse_pred, _text_number, closes_at_infinity,
-    degrees_as_circ, has_expression, is_bare_math, lists_several_values, parse_hash_line, percents_as_numbers,
+    degrees_as_circ, float_rounding, has_expression, is_bare_math, lists_several_values, parse_hash_line, percents_as_numbers,
     starts_with_relation)
 from qerl.reward_function import RewardFunction, _warn_limited
 
@@ -97,12 +97,15 @@ class MathAccuracy(RewardFunction):
     digits removed (``5\\,000``, ``5{,}000``, ``5\\!000`` → ``5000``); if it is a number
     written in ``\\text{}`` with unit words (``\\text{18 dollars}``), that number is a further
     candidate. Without a box (unless ``boxed_only``): the last ``<answer>...</answer>`` (R1 style),
-    read as a box is when it is maths alone and as text when it has words; else the line after the
+    read as a box is when it is maths alone and as text when it has words (scored 0 if it hedges, as a
+    ``####`` line; so is a last ``####`` line in words: ``#### It is not 72``); else the line after the
     last ``####`` (GSM8K style), cleaned (`clean_hash_answer`), scored 0 if it hedges (``71 or 72``), starts with
     a relation (``> 72``) or lists several values (``16, 17, 18``) where the gold does not, else read both as a
     box and as math-verify's plain text (`parse_hash_line`); else the whole (tail of the) completion, where
     math-verify takes the last LaTeX/number expression. Equivalences handled include
-    ``\\frac{1}{2}``/``0.5``/``1/2``, ``1,000``/``1000``, ``\\$5``/``5`` and ``5\\%``/``5``.
+    ``\\frac{1}{2}``/``0.5``/``1/2``, ``1,000``/``1000``, ``\\$5``/``5`` and ``5\\%``/``5``; decimals are compared
+    to 6 places or as many as the gold or answer writes (`float_rounding`). Words after a boxed number that make
+    it another answer or none (``70\\text{ thousand}``, ``18\\text{ is wrong}``) score 0.
     An answer or gold with a power past 10^(10^6) (``10^{10^{10^{10}}}``) is compared as text, not by
     math-verify, whose numeric check would run past any deadline on it (`has_huge_power`); without a box,
     the answer checked is what math-verify's lazy parse takes from the tail, not the reasoning before it.
@@ -159,7 +162,8 @@ class MathAccuracy(RewardFunction):
         # completion and the gold alike: math-verify reads neither as 12.
         # Replace rather than add, in the box, an unboxed answer and the gold alike: math-verify 0.9
         # reads `5\,000` as 5*0 = 0 and `5\,001` as 6.
-        text = _DIGIT_SEP_RE.sub("", normalize_digits(completion))
+        # A Unicode minus (`−5`, `\boxed{–3}`) as `-`, in the box as in the tail (`normalize_minus`: not a range's dash).
+        text = _DIGIT_SEP_RE.sub("", normalize_digits(normalize_minus(completion)))
         # The last box of the whole completion (linear time), as FormatReward and extract_answer read it:
         # a right box then a long ramble is right; a wrong one is not rescued by a later bare number.
         # Only what math-verify parses is capped (`limit`: the box, or the tail without one).
@@ -170,13 +174,17 @@ class MathAccuracy(RewardFunction):
             span = unwrap_emphasis(span) if span is not None else None
             if span and len(span) <= limit and is_bare_math(span):
                 boxed, span = span, None  # maths alone (`\sqrt{51}`, `\pi`): read as a box is, whole
+            elif span and hash_line_hedges(span):
+                return None  # in words, hedged or denied (`72 is not correct`, `71 or 72`), as a `####` line
         if boxed is None and self.boxed_only:
             return None
         # Without a box, the tail (answers sit at the end), with `−5` read as -5 as it is inside LaTeX.
         # A span in words (`The answer is 72`, `72 clips`) is parsed as text: boxed, math-verify would
         # read the words as a product of symbols.
-        tail = normalize_minus((span or text)[-limit:]) if boxed is None else ""
+        tail = (span or text)[-limit:] if boxed is None else ""
         line = hash_answer(tail) if boxed is None else None
+        if boxed is None and line is None and hash_line_hedges(final_hash_line(tail) or ""):
+            return None  # a last `####` line in words that hedges (`#### It is not 72`, `#### either 71 or 72`)
         if line is not None:  # math-verify alone reads a `####` line's last number: `17 or 18`, `> 18` were 18
             boxed = clean_hash_answer(line)
             if hash_line_hedges(boxed):  # (`18 is not right`, `17 (not 18)`: no answer whatever the gold)
@@ -221,7 +229,7 @@ class MathAccuracy(RewardFunction):
             return 0.0
         text, boxed, pred_text, hash_line = prediction
         limit = self.max_chars if self.max_chars > 0 else len(text)
-        gold = degrees_as_circ(_SPACE_SEP_RE.sub("", _DIGIT_SEP_RE.sub("", normalize_digits(gold))))
+        gold = degrees_as_circ(_SPACE_SEP_RE.sub("", _DIGIT_SEP_RE.sub("", normalize_digits(normalize_minus(gold)))))
 
         # a gold with unit words (`5 dollars`, `\text{5 cm}`: custom sets) is its number, as a
         # prediction's box is; math-verify alone reads `5 dollars` as 5*a*do*l*l*r*s
@@ -261,7 +269,10 @@ class MathAccuracy(RewardFunction):
                 if not gold_parsed:
                     return False
             pred_parsed = percents_as_numbers(pred_parsed, gold_parsed)  # (`2500\%` is no answer to 25)
-            if math_verify.verify(gold_parsed, pred_parsed, timeout_seconds=None):
+            # decimals compared to the places written (math-verify rounds to 6: `0.0000673` was `.0000672`)
+            rounding = float_rounding(gold_text, boxed if boxed is not None else
+                                      next((p for p in reversed(pred_parsed) if isinstance(p, str)), ""))
+            if math_verify.verify(gold_parsed, pred_parsed, float_rounding=rounding, timeout_seconds=None):
                 return True
             # A multi-answer gold (`1, -2`, `3 \pm 2\sqrt{2}`) is often boxed one value at a time:
             # then all boxes together are the answer (a set; extra or hedged values still fail).
@@ -273,7 +284,7 @@ class MathAccuracy(RewardFunction):
             if len(joined) > limit or has_huge_power(joined):  # (only the last box was checked above)
                 return False
             return bool(math_verify.verify(gold_parsed, _parse_pred("\\boxed{" + joined + "}", joined),
-                                           timeout_seconds=None))
+                                           float_rounding=float_rounding(gold_text, joined), timeout_seconds=None))
 
         try:
             return 1.0 if _deadline(run, self.timeout_s) else 0.0

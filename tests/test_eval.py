@@ -457,3 +457,19 @@ def test_evaluations_embedded_engine_takes_the_rollout_callbacks_engine_options(
     monkeypatch.setattr(HFEngine, "for_model", classmethod(for_model))
     main(["validate", *args])
     assert made == [(3, dict(cuda_graphs=False, adapter_dtype="stored", fused_ops=False, fused_projections=False))]
+
+
+def test_a_wrong_latex_answer_is_one_vote_however_written():
+    """maj@n: the right samples are one vote (the grader matched each); a wrong LaTeX answer written
+    three ways must be one vote too, or a split wrong majority lets the right minority win."""
+    from qerl.metrics import majority_vote, vote_key
+
+    for spellings in (["\\dfrac{\\pi}{2}", "\\frac{\\pi}{2}", "\\frac\\pi2", "\\tfrac{\\pi}2"],
+                      ["\\sqrt2", "\\sqrt{2}", "\\sqrt 2"], ["\\left(3,4\\right)", "(3, 4)"],
+                      ["\\frac{\\sqrt3}2", "\\frac{\\sqrt{3}}{2}"]):
+        assert len({vote_key(a) for a in spellings}) == 1, spellings
+    wrong = ["\\dfrac{\\pi}{2}", "\\frac{\\pi}{2}", "\\frac\\pi2"]
+    assert majority_vote([1, 1, 0, 0, 0], ["\\frac{\\pi}{3}"] * 2 + wrong) == 0.0
+    # an argument without braces is one character, as LaTeX reads it: \frac123 is 1/2 then 3, not 12/3
+    assert vote_key("\\frac123") != vote_key("4") and vote_key("\\frac{12}{3}") == vote_key("4")
+    assert vote_key("\\frac12") == vote_key("0.5") and vote_key("\\frac{12}5") == vote_key("2.4")

@@ -230,3 +230,23 @@ def test_to_another_dtype_copies_the_packed_tensors():
     for moved in (w.to(torch.bfloat16), w.to(torch.float16), w.to("cpu", copy=True)):
         assert isinstance(moved, NVFP4WeightTensor) and torch.equal(moved.qdata, w.qdata)
         assert moved.qdata.data_ptr() != w.qdata.data_ptr() and moved.scale.data_ptr() != w.scale.data_ptr()
+
+
+def test_a_shared_scale_is_a_value_not_a_storage_and_dense_copies_are_refused():
+    """q/k/v quantized under one per-tensor scale each keep their own copy of it: loading new codes into
+    one (``copy_``, what ``load_state_dict`` does) leaves its siblings' weights as they were. A dense
+    tensor copied into an NVFP4 weight is a one-line TypeError, not torchao's AttributeError."""
+    torch.manual_seed(0)
+    q = NVFP4WeightTensor.from_float(torch.randn(32, 64))
+    k = NVFP4WeightTensor.from_float(torch.randn(32, 64), per_tensor_scale=q.per_tensor_scale)
+    assert torch.equal(k.per_tensor_scale, q.per_tensor_scale)
+    k_before = k.dequantize().clone()
+    q.copy_(NVFP4WeightTensor.from_float(5 * torch.randn(32, 64)))
+    assert torch.equal(k.dequantize(), k_before) and not torch.equal(k.per_tensor_scale, q.per_tensor_scale)
+    linear = torch.nn.Linear(64, 32, bias=False)
+    linear.weight = torch.nn.Parameter(k, requires_grad=False)
+    fresh = NVFP4WeightTensor.from_float(torch.randn(32, 64))
+    linear.load_state_dict({"weight": fresh})
+    assert torch.equal(linear.weight.dequantize(), fresh.dequantize())
+    with pytest.raises(RuntimeError, match="cannot copy a dense torch.float32 tensor .* into an NVFP4 weight"):
+        linear.load_state_dict({"weight": torch.randn(32, 64)})

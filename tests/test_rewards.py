@@ -1158,3 +1158,46 @@ def test_tag_format_reward_soft_is_the_official_regex(completion, expected):
 
     assert TagFormatReward(strict=False).score_one(completion) == expected
     assert bool(re.search(r"<think>.*?</think>\s*<answer>.*?</answer>", completion, re.DOTALL)) == bool(expected)
+
+
+@pytest.mark.parametrize("completion, gold, expected", [
+    # words after a boxed number that make it another answer or none: math-verify alone keeps the number
+    ("\\boxed{70\\text{ thousand dollars}}", "70", 0.0),
+    ("\\boxed{70\\text{ thousand dollars}}", "70000", 0.0),  # as \text{70 thousand dollars} (not read as 70000)
+    ("\\boxed{18 \\text{ is wrong}}", "18", 0.0),
+    ("\\boxed{17\\text{ or more}}", "17", 0.0),
+    ("\\boxed{18 \\text{ dollars}}", "18", 1.0),
+    ("\\boxed{5.4 \\text{ cents}}", "5.4 \\text{ cents}", 1.0),  # (MATH-500's one gold with unit words)
+    # R1-style answer spans and a last #### line in words are held to the #### line's hedge rule
+    ("<think>.</think><answer>72 is not correct</answer>", "72", 0.0),
+    ("<answer>71 or 72</answer>", "72", 0.0),
+    ("<answer>The answer is 72</answer>", "72", 1.0),
+    ("So 72.\n#### It is not 72", "72", 0.0),
+    ("#### either 71 or 72\n", "72", 0.0),
+    ("#### The answer is 72", "72", 1.0),
+    ("#### Step 1: not sure yet\nso the answer is 72", "72", 1.0),  # a heading in the reasoning, not the end
+    # a mixed-unit quantity with LaTeX spacing is still not its first number
+    ("\\boxed{2\\,\\text{h}\\,30\\,\\text{min}}", "2", 0.0),
+    ("\\boxed{2\\text{ h}\\quad 30\\text{ min}}", "2", 0.0),
+    # a Unicode minus inside a box as after ####; a range's dash is no minus
+    ("\\boxed{\u20133}", "-3", 1.0),
+    ("\\boxed{\u22123}", "-3", 1.0),
+    ("\\boxed{1\u20133}", "-2", 0.0),
+    # decimals compared to the places written (math-verify's default rounds both to 6)
+    ("\\boxed{0.0000673}", ".0000672", 0.0),   # MATH-500 row 176's gold
+    ("\\boxed{0.000067}", ".0000672", 0.0),
+    ("\\boxed{0.0000672}", ".0000672", 1.0),
+    ("\\boxed{6.72\\times 10^{-5}}", ".0000672", 1.0),
+    ("\\boxed{0.0000014}", "0.000001", 0.0),
+    ("\\boxed{\\frac{1}{3}}", "0.333333", 1.0),   # math-verify's own case stays
+    ("The answer is 0.0000673.", ".0000672", 0.0),
+])
+def test_answers_that_deny_hedge_or_round_their_number_are_not_it(completion, gold, expected):
+    assert MathAccuracy(answer_tag="<answer>" in completion).score_one(completion, gold) == expected
+
+
+def test_float_rounding_follows_the_places_written():
+    from qerl.math_parsing import float_rounding
+
+    assert float_rounding("72", "\\frac{1}{3}") == 6 and float_rounding("0.5", "3.25") == 6
+    assert float_rounding(".0000672", "0.5") == 7 and float_rounding("1", "x = 0.12345678") == 8

@@ -432,6 +432,8 @@ def test_a_prompts_samples_do_not_depend_on_its_batch_or_chunking():
     assert engine.generate(PROMPTS, 3, sampling, seed=7).completion_ids == run(PROMPTS, prompt_seeds(7, 4), 16)
     with pytest.raises(ValueError, match="3 prompt seeds for 4 prompts"):
         engine.generate(PROMPTS, 1, sampling, seed=seeds[:3])
+    with pytest.raises(ValueError, match="prompt 1 has no tokens"):  # (an all-empty batch had no shape)
+        engine.generate([PROMPTS[0], []], 1, sampling, seed=0)
     assert torch.equal(sample_uniforms(5, 1, 4), sample_uniforms(5, 1, 4))
     assert not torch.equal(sample_uniforms(5, 1, 4), sample_uniforms(5, 2, 4))
 

@@ -321,7 +321,7 @@ def test_completion_logprobs_feed_no_column_past_the_completion(policy, mismatch
 def test_logged_entropy_and_is_ratio_cover_every_sampled_token(policy, mismatched, tmp_path):
     """train/entropy and train/is_ratio/mean describe the samples, not the loss's tokens: with every
     completion truncated and ``mask_truncated`` no token trains (all-zero gradients), yet both are the
-    values of the run without the mask, finite, not 0/0."""
+    values of the run without the mask, finite, not 0/0; the update's per-token means are NaN (no token)."""
     truncated = copy.deepcopy(mismatched)
     truncated.truncated[:] = True
     plain = fit(policy, truncated, tmp_path / "plain", mask_truncated=False)
@@ -329,6 +329,9 @@ def test_logged_entropy_and_is_ratio_cover_every_sampled_token(policy, mismatche
     assert max_abs(masked.grads[0]) == 0.0
     for key in ("train/entropy", "train/is_ratio/mean"):
         assert math.isfinite(masked.logged[key]) and abs(masked.logged[key] - plain.logged[key]) <= 1e-6, key
+    # the per-token means of the update (ratio, clip ratios) have no token to average: NaN, not 0
+    for key in ("train/policy_ratio/mean", "train/clip_ratio/low", "train/clip_ratio/region"):
+        assert math.isnan(masked.logged[key]) and math.isfinite(plain.logged[key]), key
 
 
 def test_logged_scalars_equal_their_definitions(policy, mismatched, tmp_path):

@@ -151,6 +151,9 @@ class HFEngine(RolloutEngine):
                  seed: int | Sequence[int]) -> Generation:
         if self.model is None:
             raise RuntimeError("HFEngine.generate called before sync(model)")
+        empty = next((i for i, p in enumerate(prompt_ids) if len(p) == 0), None)
+        if empty is not None:  # (as vLLM refuses one: nothing to condition on, and an all-empty batch has no shape)
+            raise ValueError(f"HFEngine.generate: prompt {empty} has no tokens")
         start = time.perf_counter()
         repeated = [p for p in prompt_ids for _ in range(n)]  # prompt-major: (B*n,)
         seeds = prompt_seeds(seed, len(prompt_ids))
