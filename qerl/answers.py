@@ -169,6 +169,8 @@ def hash_answer(text: str) -> str | None:
 # A sign then a dollar, spaces around either (`-$5`, `- \$ 5`): the sign is the number's. One space run on each
 # side of the mandatory `$` (no two optional runs side by side: see `_SIGN_AND_DOLLAR`).
 _SIGN_THEN_DOLLAR_RE = re.compile(r"([-+])[ \t]*\\?\$[ \t]*")
+# in running text: a minus that opens a dollar amount (`lost -$3`, `is - \$3`), not one after a value (`$10-$3`)
+_MINUS_THEN_DOLLAR_RE = re.compile(r"(?<![\w)\]}$.])-[ \t]*\\?\$[ \t]*(?=\d)")
 _SIGN_THEN_SPACE_RE = re.compile(r"([-+])[ \t]+")  # `- 5`: a sign apart from its number
 # Markdown emphasis inside the line (`**18** dollars`, `18 **dollars**`): a `**`/`__` after the start, a blank or an
 # opening bracket, or before the end, a blank, a closing bracket or a sentence mark; `2**10` (a power) is left alone.
@@ -242,6 +244,12 @@ def clean_hash_answer(line: str) -> str:
     if line.startswith("+"):  # (a plus sign says nothing; `\boxed{+3}` only happens to read as 3)
         line = line[1:].lstrip()
     return line
+
+
+def minus_before_dollar(text: str) -> str:
+    """``text`` with a negative dollar amount written as its number (``The answer is -$3.`` → ``-3.``):
+    math-verify reads ``-$3`` as nothing (the ``$`` opens maths), so an unboxed answer of -3 was no answer."""
+    return _MINUS_THEN_DOLLAR_RE.sub("-", text)
 
 
 def normalize_minus(text: str) -> str:

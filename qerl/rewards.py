@@ -38,7 +38,7 @@ import math_verify
 
 from qerl.answers import (  # noqa: F401
     _ZERO_WIDTH, _boxed_spans, answer_tag_content, boxed_answers, clean_hash_answer, extract_answer, extract_boxed,
-    extract_gsm8k_gold, final_hash_line, hash_answer, hash_line_hedges, is_long_integer, long_integers_equal, normalize_digits,
+    extract_gsm8k_gold, final_hash_line, hash_answer, minus_before_dollar, hash_line_hedges, is_long_integer, long_integers_equal, normalize_digits,
     normalize_minus, unwrap_emphasis)
 from qerl.deadline import call_with_deadline as _deadline
 from qerl.huge_power import _MAX_POWER_LOG10, _same_text, has_huge_power  # noqa: F401 (re-exported)
@@ -181,7 +181,7 @@ class MathAccuracy(RewardFunction):
         # Without a box, the tail (answers sit at the end), with `−5` read as -5 as it is inside LaTeX.
         # A span in words (`The answer is 72`, `72 clips`) is parsed as text: boxed, math-verify would
         # read the words as a product of symbols.
-        tail = (span or text)[-limit:] if boxed is None else ""
+        tail = minus_before_dollar((span or text)[-limit:]) if boxed is None else ""
         line = hash_answer(tail) if boxed is None else None
         if boxed is None and line is None and hash_line_hedges(final_hash_line(tail) or ""):
             return None  # a last `####` line in words that hedges (`#### It is not 72`, `#### either 71 or 72`)

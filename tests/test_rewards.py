@@ -1191,6 +1191,11 @@ def test_tag_format_reward_soft_is_the_official_regex(completion, expected):
     ("\\boxed{0.0000014}", "0.000001", 0.0),
     ("\\boxed{\\frac{1}{3}}", "0.333333", 1.0),   # math-verify's own case stays
     ("The answer is 0.0000673.", ".0000672", 0.0),
+    # a negative dollar amount in running text (math-verify reads `-$3` as nothing)
+    ("The answer is -$3.", "-3", 1.0),
+    ("So she has -\\$3 left.", "-3", 1.0),
+    ("The answer is -$3.", "3", 0.0),
+    ("Total: $10-$3 = $7", "7", 1.0),   # a minus after a value is a subtraction, left alone
 ])
 def test_answers_that_deny_hedge_or_round_their_number_are_not_it(completion, gold, expected):
     assert MathAccuracy(answer_tag="<answer>" in completion).score_one(completion, gold) == expected
