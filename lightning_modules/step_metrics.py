@@ -28,8 +28,8 @@ class StepMetricsMixin:
                   updates: dict[str, int]) -> None:
         """One point per curve for this rollout batch (at ``step``, the optimizer step it started at);
         the update scalars are means over the applied updates (NaN when every update was skipped, or
-        no token reached the loss: nothing was trained on). ``updates``: how many of the batch's updates were skipped (non-finite)
-        and how many recomputed without cuDNN attention."""
+        no token reached the loss: nothing was trained on). ``updates``: how many of the batch's updates
+        were skipped (non-finite) and how many recomputed without cuDNN attention."""
         G = rollout.group_size
         applied = len(losses)
         # (a key is missing when no token reached the loss: every completion truncated under mask_truncated)

@@ -58,13 +58,12 @@ def vote_key(answer: str | None) -> str:
     commas, ``$``, ``%``, LaTeX spacing, outer parentheses, a Unicode minus or unit words (``1,000``,
     ``$1000``, ``1000.0``, ``1\\,000``, ``\\text{1000 apples}`` alike, as the grader scores them)
     -- else its text without blanks, ``$``, LaTeX spacing and ``\\left`` / ``\\right``, in one spelling
-    (``\\dfrac{\\pi}{2}``, ``\\frac\\pi2`` → ``\\frac{\\pi}{2}``; ``\\sqrt2`` → ``\\sqrt{2}``); a tuple or interval (``(2,100)``, ``[1, 2]``) is text, never
-    the number its digits would spell; "" for no answer (no vote)."""
+    (``\\dfrac{\\pi}{2}``, ``\\frac\\pi2`` → ``\\frac{\\pi}{2}``; ``\\sqrt2`` → ``\\sqrt{2}``); a tuple or
+    interval (``(2,100)``, ``[1, 2]``) is text, never the number its digits would spell; "" for no answer (no vote)."""
     if answer is None:
         return ""
     answer = normalize_digits(normalize_minus(answer))
-    text = "".join(answer.split())
-    if len(text) > 64:  # not a number anyone writes; and the patterns would backtrack
+    if len(text := "".join(answer.split())) > 64:  # not a number anyone writes; and the patterns would backtrack
         return text
     text = "".join(_LATEX_NOISE.sub("", answer).split())
     for spelling, canonical in _LATEX_SPELLINGS:

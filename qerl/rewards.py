@@ -38,14 +38,14 @@ import math_verify
 
 from qerl.answers import (  # noqa: F401
     _ZERO_WIDTH, _boxed_spans, answer_tag_content, boxed_answers, clean_hash_answer, extract_answer, extract_boxed,
-    extract_gsm8k_gold, final_hash_line, hash_answer, minus_before_dollar, hash_line_hedges, is_long_integer, long_integers_equal, normalize_digits,
-    normalize_minus, unwrap_emphasis)
+    extract_gsm8k_gold, final_hash_line, hash_answer, hash_line_hedges, is_long_integer, long_integers_equal,
+    minus_before_dollar, normalize_digits, normalize_minus, unwrap_emphasis)
 from qerl.deadline import call_with_deadline as _deadline
 from qerl.huge_power import _MAX_POWER_LOG10, _same_text, has_huge_power  # noqa: F401 (re-exported)
 from qerl.math_parsing import (  # noqa: F401 (re-exported)
     _DIGIT_SEP_RE, _SPACE_SEP_RE, _is_multi_valued, _parse_gold, _parse_pred, _text_number, closes_at_infinity,
-    degrees_as_circ, float_rounding, has_expression, is_bare_math, lists_several_values, parse_hash_line, percents_as_numbers,
-    starts_with_relation)
+    degrees_as_circ, float_rounding, has_expression, is_bare_math, lists_several_values, parse_hash_line,
+    percents_as_numbers, starts_with_relation)
 from qerl.reward_function import RewardFunction, _warn_limited
 
 logger = logging.getLogger(__name__)
