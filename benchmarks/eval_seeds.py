@@ -1,6 +1,7 @@
 """Does a sampled evaluation draw the same completions at any evaluation batch size?
 
     python benchmarks/eval_seeds.py [--engine vllm|hf] [--batches 8,3] [--samples 4] [--dtype bf16|fp32]
+        [--accelerator gpu|cpu]   (default: gpu when CUDA is there; vllm needs it)
 
 Runs ``python train.py validate`` on the quickstart config (its tiny model, in ``--dtype``: bf16 by
 default, which vLLM needs to serve its 64-wide layers) once per ``data.val_prompts_per_batch`` in
@@ -65,11 +66,15 @@ def main() -> None:
     ap.add_argument("--batches", default="8,3")
     ap.add_argument("--samples", type=int, default=4)
     ap.add_argument("--max-new-tokens", type=int, default=32)
-    ap.add_argument("--accelerator", default="gpu")
+    ap.add_argument("--accelerator", default=None, choices=["gpu", "cpu"], help="default: gpu when CUDA is there")
     ap.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"])
     ap.add_argument("--out", default=None)
     ap.add_argument("--child", nargs=3, metavar=("CONFIG", "BATCH", "DUMP"), help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.accelerator is None:
+        import torch
+
+        args.accelerator = "gpu" if torch.cuda.is_available() else "cpu"
     if args.child:
         cfg, batch, dump = args.child
         return record_samples(args.engine, cfg, int(batch), args.samples, args.max_new_tokens, dump)

@@ -22,7 +22,8 @@ from safetensors.torch import load_file, save_file
 from qerl.base_record import (  # noqa: F401 (re-exported: the base record's home is qerl/base_record.py)
     BASE_FILE, BASE_KEYS, DEQUANTIZED_BASE_FILE, _write_base, checkpoint_base, is_dequantized_base, read_base,
     read_dequantized_base, same_model, trained_seed, write_dequantized_base)
-from qerl.model import PEFT_PREFIX, LoraSettings, hold_norm_in_fp32, lora_config, non_finite_tensors
+from qerl.model import (PEFT_PREFIX, LoraSettings, hold_norm_in_fp32, lora_config, non_finite_tensors,
+                        peft_wrapping_quietly)
 
 TRAINABLE_NORMS_FILE = "trainable_norms.safetensors"
 # The LoRA tensors beside adapter_config.json, in the order peft looks for them; without either, peft
@@ -200,7 +201,8 @@ def load_adapter(model: nn.Module, adapter_dir: str | Path) -> nn.Module:
 
     check_adapter_dir(adapter_dir)
     _check_lora_fits(model, _read_adapter_weights(Path(adapter_dir), device="cpu"))
-    peft_model = PeftModel.from_pretrained(model, str(adapter_dir))
+    with peft_wrapping_quietly():
+        peft_model = PeftModel.from_pretrained(model, str(adapter_dir))
     _load_trainable_norms(peft_model, adapter_dir)
     return peft_model
 

@@ -253,6 +253,17 @@ def lora_config(settings: LoraSettings, base_model: str | None = None):
     )
 
 
+@contextlib.contextmanager
+def peft_wrapping_quietly():
+    """peft's warnings when it wraps our linears that do not concern this codebase: TorchaoLoraLinear's
+    merge() cannot re-quantize our subclass (intended: we never merge into FP4), and peft reads
+    transformers 5's deprecated ``is_gradient_checkpointing``."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*get_apply_tensor_subclass.*")
+        warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated", category=FutureWarning)
+        yield
+
+
 def add_lora(model: PreTrainedModel, settings: LoraSettings) -> nn.Module:
     """Freeze the base and wrap the target linears with peft LoRA (NVFP4 linears become peft's
     ``TorchaoLoraLinear``, since our weight subclasses ``TorchAOBaseTensor``)."""
@@ -263,11 +274,7 @@ def add_lora(model: PreTrainedModel, settings: LoraSettings) -> nn.Module:
     # Never call peft's prepare_model_for_kbit_training: it reassigns `.data` of every 16-bit
     # param to fp32, which corrupts wrapper-subclass weights (research/torchao_nvfp4.md §5.3).
     config = lora_config(settings)
-    with warnings.catch_warnings():
-        # peft warns that merge() cannot re-quantize our subclass: intended, we never merge into FP4.
-        warnings.filterwarnings("ignore", message=".*get_apply_tensor_subclass.*")
-        # peft reads transformers 5's deprecated `is_gradient_checkpointing`: not ours to act on
-        warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated", category=FutureWarning)
+    with peft_wrapping_quietly():
         peft_model = get_peft_model(model, config)
     _check_every_target_matched(peft_model, settings.target_modules)
     if settings.compute_dtype == "model":
