@@ -14,6 +14,7 @@ import torch
 import yaml
 from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI, SaveConfigCallback
+from lightning.pytorch.utilities import rank_zero_warn
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from lightning_modules.checkpointing import TrainingDiverged
@@ -101,8 +102,17 @@ def check_trainer_settings(trainer) -> None:
     """Trainer values Lightning takes and fails on only later: ``val_check_interval`` 0 ran a training
     step and then divided by it (a ZeroDivisionError from Lightning's loop); a negative or NaN one
     never validates. (A time, or a float, which Lightning refuses itself here: its own checks.) And
-    ``precision`` (``require_full_precision``), before the model loads."""
+    ``precision`` (``require_full_precision``), before the model loads; ``gradient_clip_val`` and
+    ``accumulate_grad_batches``, which Lightning refuses for a manually optimized module with a hint
+    that does not apply (the module's own settings do that)."""
     require_full_precision(trainer.get("precision") if trainer is not None else None)
+    # the module optimizes by hand (K updates per rollout batch): Lightning's own clipping and accumulation
+    # refuse it with "switch to automatic optimization", which is not the way here
+    for key, own in (("gradient_clip_val", "model.optimizer.max_grad_norm"),
+                     ("accumulate_grad_batches", "model.loss.micro_batch_size (gradients accumulate over micro-batches)")):
+        if trainer is not None and trainer.get(key) not in (None, 1 if key == "accumulate_grad_batches" else 0):
+            raise ValueError(f"trainer.{key} is Lightning's and does not apply to this module (it optimizes by hand): "
+                             f"use {own}")
     value = trainer.get("val_check_interval") if trainer is not None else None
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         return  # None, or a time ("DD:HH:MM:SS", a timedelta or its dict): Lightning's to check
@@ -161,14 +171,22 @@ def check_ckpt_path(subcommand: str, ckpt_path: str | None, dirs: list[str]) -> 
     a file that is a directory or not a readable Lightning checkpoint, also the one ``last`` resolves
     to (a run killed while writing it leaves a truncated zip); ``last`` for validate / test when the
     checkpoint folders hold none or the config names none (Lightning would evaluate the untrained
-    model). ``fit`` with ``last`` and nothing saved yet starts from scratch, as Lightning does."""
+    model). ``fit`` with ``last`` and nothing saved yet starts from scratch, as Lightning does, with a
+    warning that says where it looked (and which other checkpoints are there)."""
     if not ckpt_path or ckpt_path in ("best", "hpc", "registry") or ckpt_path.startswith("registry:"):
         return
     if ckpt_path == "last":
         last = last_checkpoint(dirs)
         if last is not None:
             _check_checkpoint_file(last, f"--ckpt_path last ({last}, the newest last*.ckpt)", subcommand)
-        elif subcommand == "fit":
+        elif subcommand == "fit":  # resume-or-start (a requeued job): said plainly, in place of Lightning's hint
+            others = sorted({os.path.basename(f) for d in dirs for f in glob.glob(os.path.join(d, "*.ckpt"))})
+            where = (f"in {', '.join(dirs)}" if dirs else
+                     "(no ModelCheckpoint dirpath: each run saves into a new version folder, so `last` finds nothing)")
+            rank_zero_warn(f"--ckpt_path last: no last*.ckpt {where}: this fit starts from step 0"
+                           + (f"; other checkpoints there ({', '.join(others[:3])}): name one to resume from it"
+                              if others else ""))
+            warnings.filterwarnings("ignore", message=r'\.fit\(ckpt_path="last"\) is set, but there is no last checkpoint')
             return
         elif not dirs:  # Lightning would find no `last` and evaluate the untrained model
             raise ValueError(f"--ckpt_path last: no ModelCheckpoint with a dirpath in the config, so nothing says "

@@ -216,14 +216,19 @@ class ResumeMixin:
 
     def _check_adapter_base(self) -> None:
         """``model.adapter_path`` against the base it records (``qerl_base.json``; none: not written by
-        qerl, nothing to check): another tiny model or seed is an error, as on resume; another model
+        qerl, then peft's ``base_model_name_or_path``, a warning if another): another tiny model or seed is an error, as on resume; another model
         name, dtype or quantization a warning (the adapter then runs on weights it did not train on)."""
-        from qerl.adapter import check_adapter_dir, is_dequantized_base, read_base, same_model
+        from qerl.adapter import check_adapter_dir, is_dequantized_base, read_base, read_peft_base, same_model
 
         check_adapter_dir(self.adapter_path)
         what = f"model.adapter_path {self.adapter_path}"
         base = read_base(self.adapter_path)
-        if base is None:
+        if base is None:  # not written by qerl: peft's own record of the base, when it names one
+            named = read_peft_base(self.adapter_path)
+            if named and not same_model(named, str(self.model_name)):
+                rank_zero_warn(f"{what} was trained on {named} (its adapter_config.json; no qerl_base.json), this "
+                               f"run's model is {self.model_name}: if that is another model, its outputs here differ "
+                               "from the trained model's")
             return
         self._check_same_base(base, what)
         here = self.base_record()

@@ -149,6 +149,10 @@ class PromptDataModule(L.LightningDataModule):
         if not isinstance(train_source, str) and (
                 not train_source or not all(isinstance(one, str) and one for one in train_source)):
             raise ValueError(f"data.train_source must be a source or a non-empty list of them, got {train_source!r}")
+        for key, sets in (("val_sources", val_sources), ("test_sources", test_sources)):
+            bad = [name for name in (sets or {}) if not isinstance(name, str) or not name.strip()]
+            if bad:  # a set's name is part of its TensorBoard tags (val/<name>/pass@1) and a report's column
+                raise ValueError(f"data.{key}: each set needs a name (val/<name>/pass@1), got {bad!r}")
         check_prompt_format(prompt_template, chat_template_kwargs)
         if layout not in typing.get_args(Layout):  # (the CLI checks it; a module built in code did not)
             raise ValueError(f"data.layout must be one of {', '.join(typing.get_args(Layout))}, got {layout!r}")

@@ -21,7 +21,7 @@ from safetensors.torch import load_file, save_file
 
 from qerl.base_record import (  # noqa: F401 (re-exported: the base record's home is qerl/base_record.py)
     BASE_FILE, BASE_KEYS, DEQUANTIZED_BASE_FILE, _write_base, checkpoint_base, is_dequantized_base, read_base,
-    read_dequantized_base, same_model, trained_seed, write_dequantized_base)
+    read_dequantized_base, read_peft_base, same_model, trained_seed, write_dequantized_base)
 from qerl.model import (PEFT_PREFIX, LoraSettings, hold_norm_in_fp32, lora_config, non_finite_tensors,
                         peft_wrapping_quietly)
 

@@ -47,6 +47,20 @@ def read_base(adapter_dir: str | Path) -> dict | None:
     return base if isinstance(base, dict) else None
 
 
+def read_peft_base(adapter_dir: str | Path) -> str | None:
+    """The base model peft's ``adapter_config.json`` names (``base_model_name_or_path``), or None: what an adapter
+    qerl did not write (no ``qerl_base.json``) says of its base. An unreadable file is a ValueError."""
+    path = Path(adapter_dir) / "adapter_config.json"
+    if not path.is_file():
+        return None
+    try:
+        config = json.loads(path.read_text())
+    except (OSError, ValueError) as err:
+        raise ValueError(f"{path}: unreadable ({err})") from err
+    name = config.get("base_model_name_or_path") if isinstance(config, dict) else None
+    return str(name) if name else None
+
+
 def write_dequantized_base(model_dir: Path, base: dict) -> None:
     """Mark ``model_dir`` (a dense export) as the dequantized ``base`` (:data:`DEQUANTIZED_BASE_FILE`)."""
     (model_dir / DEQUANTIZED_BASE_FILE).write_text(_record_text(base))

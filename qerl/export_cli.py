@@ -28,8 +28,8 @@ from safetensors.torch import save_file
 import qerl.export
 from qerl.adapter import (
     BASE_FILE, TRAINABLE_NORMS_FILE, _load_checkpoint, _write_base, adapter_from_checkpoint, check_adapter_dir,
-    DEQUANTIZED_BASE_FILE, checkpoint_base, is_dequantized_base, load_adapter, read_base, read_dequantized_base, same_model,
-    write_dequantized_base,
+    DEQUANTIZED_BASE_FILE, checkpoint_base, is_dequantized_base, load_adapter, read_base, read_dequantized_base,
+    read_peft_base, same_model, write_dequantized_base,
 )
 from qerl.export import ADAPTER_SUBDIR, export_bf16, export_nvfp4, warn_if_auto_tokenizer_differs
 from qerl.model import BASE_NORMS_DIR, BASE_NORMS_FILE, base_norm_scales, load_policy
@@ -65,9 +65,8 @@ def _model_from_the_adapter(parser: argparse.ArgumentParser, args: argparse.Name
     for an adapter qerl did not write peft's ``base_model_name_or_path``)."""
     try:
         base = checkpoint_base(ckpt) if ckpt is not None else read_base(args.adapter)
-        if base is None and (Path(args.adapter) / "adapter_config.json").is_file():
-            peft_config = json.loads((Path(args.adapter) / "adapter_config.json").read_text())
-            base = {"model": peft_config.get("base_model_name_or_path")} if isinstance(peft_config, dict) else None
+        if base is None:
+            base = {"model": read_peft_base(args.adapter)}
     except (OSError, ValueError) as err:
         parser.error(f"cannot read --adapter {args.adapter}: {err}")
     if not base or not base.get("model"):
@@ -292,13 +291,12 @@ def _base_settings(parser: argparse.ArgumentParser, args: argparse.Namespace,
         base = checkpoint_base(ckpt)
     else:  # a peft adapter directory (checked by _check_paths)
         try:
-            config = json.loads((Path(args.adapter) / "adapter_config.json").read_text())
             base = read_base(args.adapter)
+            named = read_peft_base(args.adapter) if base is None else None
         except (OSError, ValueError) as err:
             parser.error(f"cannot read --adapter {args.adapter}: {err}")
         if base is None:  # not written by qerl: only peft's record of the base's name
-            _check_trained_base(parser, args, config.get("base_model_name_or_path") if isinstance(config, dict) else None,
-                                strict=False)
+            _check_trained_base(parser, args, named, strict=False)
             return args.dtype, seed, None, None
     dtype, quantization = base.get("dtype") or args.dtype, base.get("quantization")
     _check_trained_base(parser, args, base.get("model"), strict=True, base=base)

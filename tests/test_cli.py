@@ -321,6 +321,16 @@ def test_a_fit_that_would_never_validate_says_so(tmp_path, monkeypatch):
         main(fast_args(tmp_path, 1, ["--trainer.val_check_interval=null"]), run=False)
 
 
+@pytest.mark.parametrize("option, ours", [("--trainer.gradient_clip_val=1.0", "model.optimizer.max_grad_norm"),
+                                         ("--trainer.accumulate_grad_batches=4", "model.loss.micro_batch_size")])
+def test_lightnings_clipping_and_accumulation_point_to_the_modules_own(tmp_path, monkeypatch, option, ours):
+    """Lightning refuses both for a manually optimized module, advising automatic optimization."""
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ValueError, match=f"does not apply to this module .*: use {ours}"):
+        main(fast_args(tmp_path, 1, [option]), run=False)
+    main(fast_args(tmp_path, 1, ["--trainer.gradient_clip_val=null", "--trainer.accumulate_grad_batches=1"]), run=False)
+
+
 @pytest.mark.parametrize("value", ["0", "-3", ".nan", ".inf"])
 def test_a_val_check_interval_lightning_divides_by_fails_before_the_run(tmp_path, monkeypatch, value):
     """0 ran a training step, then a ZeroDivisionError from Lightning's loop."""
@@ -350,7 +360,14 @@ def test_ckpt_path_last_checks_the_file_lightning_would_load(tmp_path, monkeypat
     a, b = tmp_path / "a", tmp_path / "b"
     a.mkdir(), b.mkdir()
     assert last_checkpoint([str(a), str(b)]) is None
-    check_ckpt_path("fit", "last", [str(a), str(b)])  # nothing saved yet: from scratch
+    with pytest.warns(UserWarning, match=r"no last\*.ckpt in .*a, .*b: this fit starts from step 0$"):
+        check_ckpt_path("fit", "last", [str(a), str(b)])  # nothing saved yet: from scratch, said
+    torch.save({}, b / "epoch=0-step=2.ckpt")  # save_last off: other checkpoints, named in the warning
+    with pytest.warns(UserWarning, match=r"other checkpoints there \(epoch=0-step=2.ckpt\): name one"):
+        check_ckpt_path("fit", "last", [str(a), str(b)])
+    with pytest.warns(UserWarning, match=r"no ModelCheckpoint dirpath"):
+        check_ckpt_path("fit", "last", [])
+    (b / "epoch=0-step=2.ckpt").unlink()
     torch.save({"state_dict": {}, "pytorch-lightning_version": "2.6", "optimizer_states": []}, a / "last.ckpt")
     good = (a / "last.ckpt").read_bytes()
     (b / "last-v1.ckpt").write_bytes(good[: len(good) // 2])  # a run killed while writing it

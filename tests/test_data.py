@@ -757,6 +757,9 @@ def test_bad_data_counts_fail_at_construction_naming_their_key(bad):
         PromptDataModule(**bad)
     with pytest.raises(ValueError, match="data.layout must be one of"):
         PromptDataModule(layout="gsm")
+    for key in ("val_sources", "test_sources"):  # a set's name makes its tags: val//pass@1 had none
+        with pytest.raises(ValueError, match=f"data.{key}: each set needs a name"):
+            PromptDataModule(**{key: {"gsm8k": "synthetic-arithmetic", " ": "synthetic-arithmetic"}})
     PromptDataModule(val_prompts_per_batch=None, seed=None, num_workers=0, max_eval_prompt_length=None)  # defaults
 
 

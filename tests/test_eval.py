@@ -339,6 +339,15 @@ def test_validate_with_adapter_path_loads_the_trained_adapter_and_norms(tmp_path
         main(["validate", *fast_args(tmp_path / "val5", 2), "--model.lora.trainable_norms=true",
               f"--model.model={dense}", "--model.quantization=bf16", f"--model.adapter_path={dense / 'adapter'}"])
     assert not [w for w in caught if "another base" in str(w.message)]
+    # a plain peft adapter (no qerl_base.json): peft's base_model_name_or_path is what it says of its base
+    import shutil
+
+    plain = Path(shutil.copytree(adapter, tmp_path / "plain_adapter"))
+    (plain / "qerl_base.json").unlink()
+    with pytest.warns(UserWarning, match=r"was trained on tiny-qwen2 \(its adapter_config.json; no qerl_base.json\), "
+                                         r"this run's model is tiny-llama"):
+        main(["validate", *fast_args(tmp_path / "val6", 2), "--model.lora.trainable_norms=true",
+              f"--model.adapter_path={plain}", "--model.model=tiny-llama"])
     # the usual mix-ups -- the run folder, a Lightning checkpoint -- are named before the model loads
     import lightning_modules.qerl_module as qerl_module
 
