@@ -185,6 +185,7 @@ class PromptDataModule(L.LightningDataModule):
         # Raw examples per (kind, name) and their tokenized, length-filtered version.
         self._raw: dict[tuple[str, str], list[PromptExample]] = {}
         self._encoded: dict[tuple[str, str], tuple[list[PromptExample], list[list[int]]]] = {}
+        self._left_out: dict[tuple[str, str], int] = {}  # rows not evaluated: malformed, or prompts over the limit
         # Data position: the next unseen training batch, and how many were consumed.
         self._position = DataPosition()
         self._stream: PromptStream | None = None
@@ -274,6 +275,7 @@ class PromptDataModule(L.LightningDataModule):
                     examples += loaded
             else:
                 examples = load_examples(source, self.eval_split, limit=self.num_val_examples)
+                self._left_out[key] = examples.num_skipped
             logger.info("%s set %r: %d examples from %s", kind, name, len(examples), source)
             self._raw[key] = list(examples)
         return self._raw[key]
@@ -291,10 +293,16 @@ class PromptDataModule(L.LightningDataModule):
             if dropped:
                 logger.warning("%s set %r: dropped %d of %d prompts longer than data.%s=%d tokens",
                                kind, name, dropped, len(raw), setting, limit)
+                self._left_out[key] = self._left_out.get(key, 0) + dropped
             if not kept:
                 raise ValueError(f"{kind} set {name!r}: every prompt is longer than data.{setting}={limit}")
             self._encoded[key] = (kept, ids)
         return self._encoded[key]
+
+    def rows_left_out(self, kind: str, name: str) -> int:
+        """Rows of an evaluation set's source that are not evaluated: malformed ones (skipped and logged at
+        load) and prompts over ``max_eval_prompt_length``; the report says so next to the score."""
+        return self._left_out.get((kind, name), 0)
 
     def longest_prompt(self, kind: str) -> int:
         """Tokens of the longest prompt of the ``train`` set or of every ``eval`` (val and test) set

@@ -298,14 +298,19 @@ class EvaluationMixin:
             return
         stem = claim_unused_path(os.path.join(log_dir, "eval", f"{stage}_step{step}"), ".json")  # (.md beside it)
         s = self.eval_settings
+        dm = getattr(self.trainer, "datamodule", None)
+        left_out = {name: dm.rows_left_out(stage, name) for name in results} if hasattr(dm, "rows_left_out") else {}
+        left_out = {name: n for name, n in left_out.items() if n}  # (a score over fewer problems than the file has)
         with open(stem + ".json", "w") as f:
             json.dump({"stage": stage, "global_step": step, "ckpt_path": self.trainer.ckpt_path, "model": self.model_name,
                        "quantization": self.quantization, "use_adapter": s.use_adapter,
                        "max_new_tokens": s.max_new_tokens, "samples": s.samples, "temperature": s.temperature,
                        "top_p": s.top_p, "seed": s.seed, "pass_k": s.pass_k,
                        "adapter_path": getattr(self, "adapter_path", None), "metrics": results,
+                       "rows_left_out": left_out,
                        "completions": self._eval_records}, f, indent=1)
-        lines = results_table(results)
+        lines = results_table(results) + [f"\n{name}: {n} rows of its source not evaluated (malformed, or prompts over "
+                                           "data.max_eval_prompt_length; the log names them)" for name, n in left_out.items()]
         with open(stem + ".md", "w") as f:
             sampled = (f", mean@n, maj@n and pass@k from n = {s.samples} samples at T = {s.temperature}, top-p {s.top_p}, "
                        f"seed {s.seed}" if s.samples > 0 else " (no sampled completions: eval.samples 0)")

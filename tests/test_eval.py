@@ -482,3 +482,18 @@ def test_a_wrong_latex_answer_is_one_vote_however_written():
     # an argument without braces is one character, as LaTeX reads it: \frac123 is 1/2 then 3, not 12/3
     assert vote_key("\\frac123") != vote_key("4") and vote_key("\\frac{12}{3}") == vote_key("4")
     assert vote_key("\\frac12") == vote_key("0.5") and vote_key("\\frac{12}5") == vote_key("2.4")
+
+
+def test_the_report_says_how_many_rows_of_a_set_were_not_evaluated(tmp_path, monkeypatch):
+    """A malformed row is skipped (logged with its line) and the score is over the rest: the report
+    says so beside it, so that 3 problems of a 5-row file is not read as the whole file."""
+    monkeypatch.chdir(tmp_path)
+    rows = [json.dumps({"question": f"What is {i} + {i}?", "answer": f"#### {2 * i}"}) for i in range(3)]
+    (tmp_path / "set.jsonl").write_text("\n".join([rows[0], "{not json", rows[1], '{"question": "q"}', rows[2]]) + "\n")
+    cli = main(["validate", *fast_args(tmp_path, 2, extra=("--data.val_sources", json.dumps({"mine": "set.jsonl"})))])
+    report = json.loads(next(Path(cli.trainer.log_dir).glob("eval/val_step0.json")).read_text())
+    assert report["metrics"]["mine"]["problems"] == 3 and report["rows_left_out"] == {"mine": 2}
+    md = next(Path(cli.trainer.log_dir).glob("eval/val_step0.md")).read_text()
+    assert "mine: 2 rows of its source not evaluated" in md
+    clean = main(["validate", *fast_args(tmp_path / "quick", 2)])  # nothing left out: nothing said
+    assert json.loads(next(Path(clean.trainer.log_dir).glob("eval/val_step0.json")).read_text())["rows_left_out"] == {}
