@@ -108,9 +108,10 @@ def check_trainer_settings(trainer) -> None:
     require_full_precision(trainer.get("precision") if trainer is not None else None)
     # the module optimizes by hand (K updates per rollout batch): Lightning's own clipping and accumulation
     # refuse it with "switch to automatic optimization", which is not the way here
-    for key, own in (("gradient_clip_val", "model.optimizer.max_grad_norm"),
-                     ("accumulate_grad_batches", "model.loss.micro_batch_size (gradients accumulate over micro-batches)")):
-        if trainer is not None and trainer.get(key) not in (None, 1 if key == "accumulate_grad_batches" else 0):
+    for key, neutral, own in (
+            ("gradient_clip_val", 0, "model.optimizer.max_grad_norm"),
+            ("accumulate_grad_batches", 1, "model.loss.micro_batch_size (gradients accumulate over micro-batches)")):
+        if trainer is not None and trainer.get(key) not in (None, neutral):
             raise ValueError(f"trainer.{key} is Lightning's and does not apply to this module (it optimizes by hand): "
                              f"use {own}")
     value = trainer.get("val_check_interval") if trainer is not None else None

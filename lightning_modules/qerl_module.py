@@ -365,9 +365,9 @@ class QeRLModule(PolicyForwardMixin, ResumeMixin, EvaluationMixin, StepMetricsMi
                     raise self.skipped_streak_error(what)
                 continue
             self._streaks["skipped"] = 0
-            # no token in the loss (every completion truncated under mask_truncated): no per-token means, NaN not 0
-            for k, v in update_sums.items() if loss_tokens else ():
-                sums[k] = sums.get(k, 0.0) + v
+            if loss_tokens:  # else (every completion truncated under mask_truncated) no per-token means: NaN, not 0
+                for k, v in update_sums.items():
+                    sums[k] = sums.get(k, 0.0) + v
             losses.append(update_loss)
             grad_norms.append(float(grad_norm))
             opt.step()
