@@ -75,14 +75,21 @@ def check_sections(config) -> None:
 
 
 def _read_yaml_mapping(path: str) -> dict:
-    """The top-level mapping of a config file as YAML reads it; {} when it is not one or cannot be read
-    (jsonargparse reports those, naming the file)."""
+    """The top-level mapping of a config file as YAML reads it; {} when it cannot be read (jsonargparse
+    reports a missing file or a syntax error, naming the file). An empty file, one of comments only or
+    one whose top level is a list or a scalar was jsonargparse's "Unexpected config: <the text>"."""
     try:
         with open(path) as f:
             raw = yaml.safe_load(f)
     except (OSError, yaml.YAMLError, UnicodeDecodeError):
         return {}
-    return raw if isinstance(raw, dict) else {}
+    if raw is None:
+        raise ValueError(f"config file {path} is empty (or only comments): it needs sections such as model:, "
+                         "data:, trainer: (configs/quickstart.yaml is one)")
+    if not isinstance(raw, dict):
+        raise ValueError(f"config file {path}: the top level must be a mapping of sections (model:, data:, "
+                         f"trainer:, ...), got {type(raw).__name__}")
+    return raw
 
 
 def check_seed_everything(seed) -> None:

@@ -3,6 +3,7 @@
 import glob
 import json
 import math
+import re
 from pathlib import Path
 
 import pytest
@@ -300,6 +301,23 @@ def test_a_broken_section_is_named_also_under_a_command_line_value_or_alone(tmp_
     (tmp_path / "only_model.yaml").write_text("model:\n")
     with pytest.raises(ValueError, match=r"the config's `model` section must be a mapping .*got null"):
         main(["fit", "--config", str(tmp_path / "only_model.yaml")])
+
+
+@pytest.mark.parametrize("text, message", [("", " is empty"), ("# a comment only\n", " is empty"),
+                                           ("- model\n- data\n", ": the top level must be a mapping .*got list"),
+                                           ("quickstart\n", ": the top level must be a mapping .*got str")])
+def test_an_empty_or_non_mapping_config_file_is_one_line_naming_it(tmp_path, monkeypatch, capsys, text, message):
+    """An empty file was jsonargparse's "Unexpected config: " (followed by nothing)."""
+    import train
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr("sys.argv", ["train.py", "fit", "--config", "run.yaml"])
+    (tmp_path / "run.yaml").write_text(text)
+    with pytest.raises(SystemExit) as code:
+        train.cli_entry()
+    assert code.value.code == 2
+    err = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
+    assert len(err) == 1 and re.match(rf"error: ValueError: config file run.yaml{message}", err[0]), err
 
 
 @pytest.mark.parametrize("value, ok", [("-1", False), ("4294967296", False), ("4294967295", True), ("true", True)])
