@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import logging
 import math
-import re
 import sys
 from typing import Any, NamedTuple
 
@@ -41,6 +40,7 @@ from qerl.answers import (  # noqa: F401
     extract_gsm8k_gold, final_hash_line, hash_answer, hash_line_hedges, is_long_integer, long_integers_equal,
     minus_before_dollar, normalize_digits, normalize_minus, unwrap_emphasis)
 from qerl.deadline import call_with_deadline as _deadline
+from qerl.format_rewards import FormatReward, TagFormatReward  # noqa: F401 (re-exported: configs name qerl.rewards.X)
 from qerl.huge_power import _MAX_POWER_LOG10, _same_text, has_huge_power  # noqa: F401 (re-exported)
 from qerl.math_parsing import (  # noqa: F401 (re-exported)
     _DIGIT_SEP_RE, _SPACE_SEP_RE, _is_multi_valued, _parse_gold, _parse_pred, _text_number, closes_at_infinity,
@@ -49,7 +49,6 @@ from qerl.math_parsing import (  # noqa: F401 (re-exported)
 from qerl.reward_function import RewardFunction, _warn_limited
 
 logger = logging.getLogger(__name__)
-_WHITESPACE_RE = re.compile(r"\s*")
 _long_integer_warned = [False]  # (once per process: a data set's long golds would repeat it every step)
 
 # ----------------------------------------------------------------------------------------------
@@ -306,105 +305,6 @@ def accuracy_reward(reward) -> MathAccuracy | None:
         if (found := accuracy_reward(member)) is not None:
             return found
     return None
-
-
-class FormatReward(RewardFunction):
-    """1.0 if the completion contains exactly one closed, non-empty ``\\boxed{}``/``\\fbox{}``.
-
-    Several boxes (hedging), an empty box or only an unclosed box give 0.0. Nested boxes count
-    separately. Kept deliberately simple: no ``<think>`` tags, since our prompts ask only for a
-    boxed final answer.
-
-    Args:
-        max_chars_after: If set, the box must also close within this many characters of the end
-            (e.g. 200), which penalises answering early and then rambling on. None: anywhere.
-    """
-
-    name = "format"
-
-    def __init__(self, max_chars_after: int | None = None) -> None:
-        super().__init__()
-        if max_chars_after is not None and not max_chars_after >= 0:  # (negative: every completion scored 0)
-            raise ValueError(f"FormatReward: max_chars_after must be >= 0 or null, got {max_chars_after}")
-        self.max_chars_after = max_chars_after
-
-    def score_one(self, completion: Any) -> float:
-        """Score one completion; never raises."""
-        if not isinstance(completion, str):
-            return 0.0
-        spans = _boxed_spans(completion)
-        if len(spans) != 1:
-            return 0.0
-        start, end = spans[0]
-        if not completion[start:end].translate(_ZERO_WIDTH).strip():  # (a zero-width character is no answer)
-            return 0.0
-        if self.max_chars_after is not None and len(completion) - (end + 1) > self.max_chars_after:
-            return 0.0
-        return 1.0
-
-    def compute(self, completions: list[str], answers: list[str]) -> list[float]:
-        return [self.score_one(c) for c in completions]
-
-
-class TagFormatReward(RewardFunction):
-    """1.0 if the completion is ``<think>...</think>`` then ``<answer>...</answer>`` and nothing else
-    (whitespace aside): DeepSeek-R1-Zero's format reward, for prompts that ask for those tags. Each
-    tag exactly once, the answer not empty; linear time on any text.
-
-    Args:
-        think_opened_in_prompt: The prompt itself ends with ``<think>`` (R1-Zero's template, "...
-            Assistant: <think>"), so the completion starts inside the thought, without that tag.
-        strict: False: 1.0 if the completion *contains* ``<think>...</think>``, whitespace,
-            ``<answer>...</answer>`` anywhere (the official QeRL code's ``soft_format_reward``,
-            its regex ``<think>.*?</think>\\s*<answer>.*?</answer>`` searched, DOTALL).
-    """
-
-    name = "tag_format"
-
-    def __init__(self, think_opened_in_prompt: bool = False, strict: bool = True) -> None:
-        super().__init__()
-        self.think_opened_in_prompt = think_opened_in_prompt
-        self.strict = strict
-
-    @staticmethod
-    def _contains_pair(text: str, opened: bool) -> bool:
-        """Whether some ``</think>`` (after a ``<think>`` unless ``opened``) is followed, whitespace
-        aside, by ``<answer>`` and later by ``</answer>``. Linear: the whitespace runs after distinct
-        ``</think>`` tags do not overlap."""
-        first_think = 0 if opened else text.find("<think>")
-        last_close = text.rfind("</answer>")
-        if first_think < 0 or last_close < 0:
-            return False
-        end = text.find("</think>", first_think)
-        while end >= 0:
-            answer = _WHITESPACE_RE.match(text, end + len("</think>")).end()
-            if text.startswith("<answer>", answer) and last_close >= answer + len("<answer>"):
-                return True
-            end = text.find("</think>", end + 1)
-        return False
-
-    def score_one(self, completion: Any) -> float:
-        """Score one completion; never raises."""
-        if not isinstance(completion, str):
-            return 0.0
-        if not self.strict:
-            return 1.0 if self._contains_pair(completion, self.think_opened_in_prompt) else 0.0
-        text = completion.strip()
-        expected = {"<think>": 0 if self.think_opened_in_prompt else 1, "</think>": 1, "<answer>": 1, "</answer>": 1}
-        if any(text.count(tag) != n for tag, n in expected.items()):
-            return 0.0
-        if not self.think_opened_in_prompt and not text.startswith("<think>"):
-            return 0.0
-        thought_end, answer_start = text.index("</think>"), text.index("<answer>")
-        if answer_start < thought_end or not text.endswith("</answer>"):
-            return 0.0
-        if text[thought_end + len("</think>"):answer_start].strip():  # only whitespace between the two
-            return 0.0
-        answer = text[answer_start + len("<answer>"):-len("</answer>")]
-        return 1.0 if answer.translate(_ZERO_WIDTH).strip() else 0.0
-
-    def compute(self, completions: list[str], answers: list[str]) -> list[float]:
-        return [self.score_one(c) for c in completions]
 
 
 class WeightedSum(RewardFunction):
