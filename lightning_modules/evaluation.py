@@ -22,7 +22,7 @@ import torch
 from lightning.pytorch.utilities import rank_zero_warn
 
 from qerl.metrics import PassAtK, majority_vote
-from qerl.model import base_model_only
+from qerl.norms import base_model_only
 from qerl.rewards import MathAccuracy, accuracy_reward
 from qerl.rollout import SamplingSettings
 from qerl.rollout.base import check_temperature_top_p, derive_seed

@@ -43,7 +43,8 @@ from lightning_modules.settings import LIGHTNING_ADVICE_THAT_DOES_NOT_APPLY, lr_
 from lightning_modules.settings import LossSettings, OptimizerSettings  # noqa: F401  (the CLI's model.loss, .optimizer)
 from lightning_modules.evaluation import EvalSettings, EvaluationMixin, claim_unused_path  # noqa: F401  (EvalSettings: the CLI's model.eval)
 from lightning_modules.step_metrics import StepMetricsMixin
-from qerl.model import LoraSettings, base_model_only, load_policy, load_tokenizer
+from qerl.model import LoraSettings, load_policy, load_tokenizer
+from qerl.norms import base_model_only
 from qerl.rollout import Rollout
 from qerl.seeding import resolve_seed
 from qerl.settings_checks import require_counts, require_full_precision

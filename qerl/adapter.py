@@ -22,8 +22,8 @@ from safetensors.torch import load_file, save_file
 from qerl.base_record import (  # noqa: F401 (re-exported: the base record's home is qerl/base_record.py)
     BASE_FILE, BASE_KEYS, DEQUANTIZED_BASE_FILE, _write_base, checkpoint_base, is_dequantized_base, read_base,
     read_dequantized_base, read_peft_base, same_model, trained_seed, write_dequantized_base)
-from qerl.model import (PEFT_PREFIX, LoraSettings, hold_norm_in_fp32, lora_config, non_finite_tensors,
-                        peft_wrapping_quietly)
+from qerl.model import LoraSettings, lora_config, non_finite_tensors, peft_wrapping_quietly
+from qerl.norms import PEFT_PREFIX, hold_norm_in_fp32
 
 TRAINABLE_NORMS_FILE = "trainable_norms.safetensors"
 # The LoRA tensors beside adapter_config.json, in the order peft looks for them; without either, peft
@@ -312,7 +312,7 @@ def _check_adapter_config(peft_model: nn.Module, adapter_dir: Path) -> None:
 
 def _load_trainable_norms(peft_model: nn.Module, adapter_dir: str | Path) -> None:
     """The adapter's trained norm scales, held as the policy holds them (fp32 masters, trainable:
-    :func:`qerl.model.hold_norm_in_fp32`). Copied into a 16-bit base's norms instead, the fp32 values
+    :func:`qerl.norms.hold_norm_in_fp32`). Copied into a 16-bit base's norms instead, the fp32 values
     would round back to the untrained ones (a few lr-1e-5 steps move a scale by far less than bf16's
     2^-7 spacing near 1), and a re-export or ``--dtype fp32`` export would write those."""
     norms_file = Path(adapter_dir) / TRAINABLE_NORMS_FILE

@@ -32,7 +32,8 @@ from qerl.adapter import (
     read_peft_base, same_model, write_dequantized_base,
 )
 from qerl.export import ADAPTER_SUBDIR, export_bf16, export_nvfp4, warn_if_auto_tokenizer_differs
-from qerl.model import BASE_NORMS_DIR, BASE_NORMS_FILE, base_norm_scales, load_policy
+from qerl.model import load_policy
+from qerl.norms import BASE_NORMS_DIR, BASE_NORMS_FILE, base_norm_scales
 from qerl.tiny import TINY_MODEL_NAMES
 
 log = logging.getLogger(__name__)

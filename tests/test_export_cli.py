@@ -65,7 +65,7 @@ def test_a_trained_base_export_keeps_the_runs_base_norms_for_the_base_passes(tmp
     as its base ones, so its KL reference and adapter-off evaluation ran on trained norms (2e-3 off in
     the logits). The base's own norms travel beside the weights and come back as the base ones."""
     from qerl.adapter import load_adapter_into
-    from qerl.model import BASE_NORMS_FILE, base_model_only
+    from qerl.norms import BASE_NORMS_FILE, base_model_only
 
     policy, adapter = _bf16_run_adapter(tmp_path / "adapter")
     argv = ["--model", "tiny-qwen2", "--format", "bf16", "--from-trained-base", "--dtype", "fp32",

@@ -60,7 +60,7 @@ def test_trainable_norms_learn_in_a_bf16_model_and_the_base_stays_reachable():
     """bf16 spacing near 1 is 2^-7: AdamW steps at lr 1e-5 on bf16 norm weights round away, every
     one. The norms train as fp32 master weights, the model still runs in bf16, and
     ``base_model_only`` (the KL reference, adapter-off evaluation) gives the untrained base back."""
-    from qerl.model import base_model_only
+    from qerl.norms import base_model_only
 
     model, _ = load_policy("tiny-qwen2", "nvfp4", LoraSettings(rank=4, trainable_norms=True), dtype="bf16", seed=3)
     base, _ = load_policy("tiny-qwen2", "nvfp4", None, dtype="bf16", seed=3)

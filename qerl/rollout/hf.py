@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from qerl.attention_masks import sliding_window_below
-from qerl.model import base_model_only
+from qerl.norms import base_model_only
 from qerl.rollout.base import (Generation, NonFiniteLogits, RolloutEngine, SamplingSettings, pad_left, prompt_seeds,
                                sample_inverse_cdf, sample_uniforms, stop_token_ids)
 from qerl.rollout.decoders import (  # noqa: F401 (cache_keyword, returned_cache, _packed_gqa_sdpa: re-exported)
