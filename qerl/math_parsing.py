@@ -44,6 +44,16 @@ _NUMBER_UNITS_RE = re.compile(r"\s*((?:\\\$?\s*|\$\s*)?[-+]?(?:\d[\d,]*(?:\.\d+)
 # not `3 x`, `2 pi`, which are algebra) and none of which is maths or a magnitude (`2 sin x`,
 # `4 factorial`, `3 million`, `5 less than x` are other answers than the number).
 _BARE_NUMBER_UNITS_RE = re.compile(r"\s*([-+]?(?:\d[\d,]*(?:\.\d+)?|\.\d+))\s+([A-Za-z]{3,}[A-Za-z\s.]*)")
+# A number with a unit symbol: a whitelisted abbreviation (`15 cm^2`, `20km/h`) or a unit word of 3+
+# letters with a power or a rate (`864 inches^2`, `3 miles/hour`). Other 1- and 2-letter words stay algebra
+# (`3 x^2`, `3 ab/c`); a one-letter unit only in a rate of units (`9.8 m/s^2`).
+_UNIT_ABBREVIATIONS = "mm|cm|dm|km|ft|in|yd|mi|mg|kg|lb|lbs|oz|ml|mL|cc|hr|hrs|min|mph|kph|kmh|sq"
+_UNIT_POWER = r"(?:\^\s*(?:\{\s*[23]\s*\}|[23]))?"
+_UNIT = rf"(?:(?:{_UNIT_ABBREVIATIONS})(?![A-Za-z])|[A-Za-z]{{3,}}){_UNIT_POWER}"
+_RATE_OF = rf"\s*/\s*(?:{_UNIT}|[smhgL](?![A-Za-z]){_UNIT_POWER})"
+_NUMBER_UNIT_SYMBOL_RE = re.compile(
+    rf"\s*((?:\\\$?\s*|\$\s*)?[-+]?(?:\d[\d,]*(?:\.\d+)?|\.\d+))\s*"
+    rf"({_UNIT}(?:\s+{_UNIT})*(?:{_RATE_OF})?|[mgL](?![A-Za-z]){_RATE_OF})\s*")
 _NOT_UNITS = frozenset(
     "sin cos tan cot sec csc sinh cosh tanh arcsin arccos arctan log ln exp sqrt root roots factorial squared "
     "cubed power powers times plus minus over divided and or less more than fewer greater smaller hundred "
@@ -142,15 +152,16 @@ def lists_several_values(line: str) -> bool:
 
 def _number_with_words(boxed: str) -> tuple[str, str] | None:
     """``\\text{18 dollars}``, ``18\\text{ dollars}`` or ``18 dollars`` → ``("18", "dollars")``: a box that, with
-    ``\\text{}`` unwrapped, is one number plus words (``""`` for none: ``\\text{18}``); None for anything else
-    (``\\text{Evelyn}``, ``2 and 3``)."""
+    ``\\text{}`` unwrapped, is one number plus words (``""`` for none: ``\\text{18}``) or a unit symbol (``15 cm^2``,
+    ``20 km/h``: `_NUMBER_UNIT_SYMBOL_RE`); None for anything else (``\\text{Evelyn}``, ``2 and 3``, ``3 x^2``)."""
+    boxed = _LATEX_SPACE_RE.sub(" ", boxed)  # (`15\,\text{cm}^2`, `15 \, cm^2`)
     if "\\" not in boxed:
-        m = _BARE_NUMBER_UNITS_RE.fullmatch(boxed)
+        m = _BARE_NUMBER_UNITS_RE.fullmatch(boxed) or _NUMBER_UNIT_SYMBOL_RE.fullmatch(boxed)
         return (m.group(1), m.group(2)) if m is not None else None
     unwrapped = _TEXT_RE.sub(r"\1", boxed)
     if unwrapped == boxed:
         return None
-    m = _NUMBER_UNITS_RE.fullmatch(unwrapped)
+    m = _NUMBER_UNITS_RE.fullmatch(unwrapped) or _NUMBER_UNIT_SYMBOL_RE.fullmatch(unwrapped)
     return (m.group(1), m.group(2) or "") if m is not None else None
 
 

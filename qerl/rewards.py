@@ -94,8 +94,9 @@ class MathAccuracy(RewardFunction):
 
     Extraction order: the last ``\\boxed{}`` content, with LaTeX thousands separators between
     digits removed (``5\\,000``, ``5{,}000``, ``5\\!000`` → ``5000``); if it is a number
-    written in ``\\text{}`` with unit words (``\\text{18 dollars}``), that number is a further
-    candidate. Without a box (unless ``boxed_only``): the last ``<answer>...</answer>`` (R1 style),
+    written with unit words (``\\text{18 dollars}``, ``18 dollars``) or a unit symbol (``15 cm^2``, ``20 km/h``;
+    1- and 2-letter symbols from a whitelist, so ``3 x^2`` stays algebra), that number is the answer
+    (a gold so written is its number too). Without a box (unless ``boxed_only``): the last ``<answer>...</answer>`` (R1 style),
     read as a box is when it is maths alone and as text when it has words (scored 0 if it hedges, as a
     ``####`` line; so is a last ``####`` line in words: ``#### It is not 72``); else the line after the
     last ``####`` (GSM8K style), cleaned (`clean_hash_answer`), scored 0 if it hedges (``71 or 72``), starts with

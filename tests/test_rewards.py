@@ -203,6 +203,14 @@ GSM8K_DOLLAR_SPANS = (
         (r"\boxed{18 dollars}", "18"),  # bare unit words after the number
         (r"\boxed{5 USD}", "5"),
         (r"\boxed{1,250 dollars}", "1250"),
+        (r"\boxed{15 cm^2}", "15"),  # unit symbols: a whitelisted abbreviation, a power, a rate
+        (r"\boxed{15\,cm^{2}}", "15"),
+        (r"\boxed{864 inches^2}", "864"),
+        (r"\boxed{20 km/h}", "20"),
+        (r"\boxed{9.8 m/s^2}", "9.8"),
+        (r"\boxed{60 miles/hour}", "60"),
+        (r"\boxed{15 cm^2}", r"15\mbox{ cm}^2"),  # MATH-500 golds with a unit and its power
+        (r"\boxed{864}", r"864 \mbox{ inches}^2"),
         (GSM8K_DOLLAR_SPANS, "6"),  # no box: the "####" line comes first
     ],
 )
@@ -223,6 +231,12 @@ def test_accuracy_text_units_separators_hash_line(acc: MathAccuracy, completion:
         (r"\boxed{0}", r"5\,000"),  # a gold with a separator is 5000, not 5*0
         (r"\boxed{19 dollars}", "18"),
         (r"\boxed{3 x}", "3"),  # one-letter (and 2-letter) words are algebra, not units
+        (r"\boxed{3 x^2}", "3"),  # ... also with a power or as a ratio (units: a whitelist)
+        (r"\boxed{20 m^2}", "20"),
+        (r"\boxed{3 ab/c}", "3"),
+        (r"\boxed{3 x/y}", "3"),
+        (r"\boxed{16 cm^2}", r"15\mbox{ cm}^2"),
+        (r"\boxed{3 million km}", "3"),
         (r"\boxed{2 pi}", "2"),
         (r"\boxed{2 sin x}", "2"),  # maths and magnitude words are not units
         (r"\boxed{4 factorial}", "4"),
