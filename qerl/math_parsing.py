@@ -43,7 +43,8 @@ _NUMBER_UNITS_RE = re.compile(r"\s*((?:\\\$?\s*|\$\s*)?[-+]?(?:\d[\d,]*(?:\.\d+)
 # A box without LaTeX: one number, then words whose first has 3+ letters (`18 dollars`, `5 USD`;
 # not `3 x`, `2 pi`, which are algebra) and none of which is maths or a magnitude (`2 sin x`,
 # `4 factorial`, `3 million`, `5 less than x` are other answers than the number).
-_BARE_NUMBER_UNITS_RE = re.compile(r"\s*([-+]?(?:\d[\d,]*(?:\.\d+)?|\.\d+))\s+([A-Za-z]{3,}[A-Za-z\s.]*)")
+# (`[A-Za-z]{3}`, not `{3,}`, before the open class: a long word would split every way, quadratic)
+_BARE_NUMBER_UNITS_RE = re.compile(r"\s*([-+]?(?:\d[\d,]*(?:\.\d+)?|\.\d+))\s+([A-Za-z]{3}[A-Za-z\s.]*)")
 # A number with a unit symbol: a whitelisted abbreviation (`15 cm^2`, `20km/h`) or a unit word of 3+
 # letters with a power or a rate (`864 inches^2`, `3 miles/hour`). Other 1- and 2-letter words stay algebra
 # (`3 x^2`, `3 ab/c`); a one-letter unit only in a rate of units (`9.8 m/s^2`).

@@ -1070,6 +1070,9 @@ def test_math_accuracy_answer_tag_scores_only_the_last_answer_span():
 @pytest.mark.parametrize("completion", [
     "#### $" + " " * 100_000 + "x", "#### x = $" + " " * 100_000 + "!", "#### -" + " " * 100_000 + "x",
     "\\boxed{\\text{$" + " " * 100_000 + "x}}", "\\boxed{1" + " " * 100_000 + "a}",
+    # a long word after a number (unit words: `18 dollars`; 25 s at 100k letters) and unit-symbol runs
+    "\\boxed{1 " + "a" * 100_000 + "!}", "\\boxed{1 " + "cm" * 50_000 + "/}", "\\boxed{1 " + "abc^2 " * 20_000 + "/}",
+    "\\boxed{1 km/" + "h" * 100_000 + "^}", "\\boxed{1\\text{ " + "a" * 100_000 + "}^}",
 ])
 def test_runs_of_spaces_do_not_backtrack(completion):
     """Two optional-whitespace runs side by side in a regex split a run of spaces every way (#### $ +
