@@ -38,13 +38,15 @@ _DIGIT_SEP_RE = re.compile(r"(?<=\d)(?:\\[,!:; ]|~|\{,\})(?=\d{3}(?!\d))")
 _SPACE_SEP_RE = re.compile("(?<=\\d)[ \u00a0\u2009\u202f](?=\\d{3}(?!\\d))")
 _TEXT_MACROS = r"text|textrm|textbf|textnormal|mbox|hbox|mathrm"  # (one list: \text{} units and loose boxes)
 _TEXT_RE = re.compile(rf"\\(?:{_TEXT_MACROS})\s*\{{([^{{}}]*)\}}")
+_SIGNED_NUMBER = r"[-+]?(?:\d[\d,]*(?:\.\d+)?|\.\d+)"  # (`1,250`, `-0.5`, `.5`: the number of a box with units)
+_DOLLAR_BEFORE = r"(?:\\\$?\s*|\$\s*)?"  # (`\$18`, `$18`)
 # A whole `\text{}`-unwrapped box that is one number, optionally followed by unit words.
-_NUMBER_UNITS_RE = re.compile(r"\s*((?:\\\$?\s*|\$\s*)?[-+]?(?:\d[\d,]*(?:\.\d+)?|\.\d+))(?:\s+([A-Za-z][A-Za-z\s.]*))?")
+_NUMBER_UNITS_RE = re.compile(rf"\s*({_DOLLAR_BEFORE}{_SIGNED_NUMBER})(?:\s+([A-Za-z][A-Za-z\s.]*))?")
 # A box without LaTeX: one number, then words whose first has 3+ letters (`18 dollars`, `5 USD`;
 # not `3 x`, `2 pi`, which are algebra) and none of which is maths or a magnitude (`2 sin x`,
 # `4 factorial`, `3 million`, `5 less than x` are other answers than the number).
 # (`[A-Za-z]{3}`, not `{3,}`, before the open class: a long word would split every way, quadratic)
-_BARE_NUMBER_UNITS_RE = re.compile(r"\s*([-+]?(?:\d[\d,]*(?:\.\d+)?|\.\d+))\s+([A-Za-z]{3}[A-Za-z\s.]*)")
+_BARE_NUMBER_UNITS_RE = re.compile(rf"\s*({_SIGNED_NUMBER})\s+([A-Za-z]{{3}}[A-Za-z\s.]*)")
 # A number with a unit symbol: a whitelisted abbreviation (`15 cm^2`, `20km/h`) or a unit word of 3+
 # letters with a power or a rate (`864 inches^2`, `3 miles/hour`). Other 1- and 2-letter words stay algebra
 # (`3 x^2`, `3 ab/c`); a one-letter unit only in a rate of units (`9.8 m/s^2`).
@@ -53,7 +55,7 @@ _UNIT_POWER = r"(?:\^\s*(?:\{\s*[23]\s*\}|[23]))?"
 _UNIT = rf"(?:(?:{_UNIT_ABBREVIATIONS})(?![A-Za-z])|[A-Za-z]{{3,}}){_UNIT_POWER}"
 _RATE_OF = rf"\s*/\s*(?:{_UNIT}|[smhgL](?![A-Za-z]){_UNIT_POWER})"
 _NUMBER_UNIT_SYMBOL_RE = re.compile(
-    rf"\s*((?:\\\$?\s*|\$\s*)?[-+]?(?:\d[\d,]*(?:\.\d+)?|\.\d+))\s*"
+    rf"\s*({_DOLLAR_BEFORE}{_SIGNED_NUMBER})\s*"
     rf"({_UNIT}(?:\s+{_UNIT})*(?:{_RATE_OF})?|[mgL](?![A-Za-z]){_RATE_OF})\s*")
 _NOT_UNITS = frozenset(
     "sin cos tan cot sec csc sinh cosh tanh arcsin arccos arctan log ln exp sqrt root roots factorial squared "
@@ -275,7 +277,7 @@ def _parse_cached(text: str, boxed: str | None) -> tuple:
     return tuple(parsed)
 
 
-_PERCENT_NUMBER_RE = re.compile(r"\s*([-+]?(?:\d[\d,]*(?:\.\d+)?|\.\d+))[ \t]*\\?%\s*")
+_PERCENT_NUMBER_RE = re.compile(rf"\s*({_SIGNED_NUMBER})[ \t]*\\?%\s*")
 _LOOSE_LETTERS_RE = re.compile(r"[A-Za-z]{2}|(?<=\s)[A-Za-z]")  # a word, or a letter after a blank
 
 
