@@ -351,7 +351,16 @@ class _CurrentStderrHandler(logging.StreamHandler):
         pass
 
 
+def _quiet_third_party_noise() -> None:
+    """Two lines on every fit that say nothing about the run: Lightning's advert for its cloud logger,
+    and the FutureWarning torch >= 2.13 raises on Lightning's own use of pytree's ``LeafSpec``."""
+    logging.getLogger("lightning.pytorch.utilities.rank_zero").addFilter(
+        lambda record: not record.getMessage().startswith("💡 Tip: For seamless cloud logging"))
+    warnings.filterwarnings("ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated", category=FutureWarning)
+
+
 def main(args=None, run: bool = True) -> LightningCLI:
+    _quiet_third_party_noise()
     # our INFO lines (base weight bytes and trainable parameters, data set sizes, vLLM start) on stderr
     for name in ("qerl", "lightning_modules", "callbacks"):
         logger = logging.getLogger(name)

@@ -10,10 +10,17 @@ import os
 # torchao's PyPI wheel is a CUDA build; its optional C++ extensions (sm_100 MXFP8, CUTLASS) fail to
 # load on CPU with noisy but harmless messages, and nothing in qerl's NVFP4 path needs them.
 os.environ.setdefault("TORCHAO_FORCE_SKIP_LOADING_SO_FILES", "1")
+logging.getLogger("torchao").addFilter(  # (and torchao then says it skipped them, on every run)
+    lambda record: "due to TORCHAO_FORCE_SKIP_LOADING_SO_FILES=1" not in record.getMessage())
 
 # bitsandbytes (imported by peft) looks for Hugging Face's `kernels` package at import on AVX512-BF16
 # CPUs, meets this repository's kernels/ on the path and warns; the CPU gemv it wanted is one qerl
 # turns off anyway (qerl.quantize.quantize_decoder_linears_nf4 keeps bitsandbytes' autograd path).
 logging.getLogger("bitsandbytes.backends.cpu.ops").addFilter(lambda record: "kernels-community" not in record.getMessage())
+
+# torch >= 2.13 warns, once per enum, that torchao's register_constant() calls on its Enum settings
+# (KernelPreference, ScaleCalculationMode) are deprecated: torchao's business, two lines on every run.
+logging.getLogger("torch.utils._pytree").addFilter(
+    lambda record: "is an Enum subclass and is now natively supported" not in record.getMessage())
 
 __version__ = "0.1.0"

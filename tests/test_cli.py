@@ -596,3 +596,21 @@ def test_predict_is_not_offered(monkeypatch, capsys):
     with pytest.raises(SystemExit) as code:
         train.cli_entry()
     assert code.value.code == 2 and "invalid choice: 'predict' (choose from 'fit', 'validate', 'test')" in capsys.readouterr().err
+
+
+def test_a_bad_value_in_a_fresh_process_is_exactly_one_line_on_stderr(tmp_path):
+    """What the user sees from a shell: besides our `error:` line, torchao's "Skipping import of cpp
+    extensions" and torch 2.13's per-enum register_constant deprecation (two lines) printed on
+    every run. Imported in a fresh interpreter, so the import-time messages are not hidden by an
+    earlier test's import."""
+    import subprocess
+    import sys
+
+    root = Path(__file__).parent.parent
+    done = subprocess.run([sys.executable, str(root / "train.py"), "fit", "--config", QUICKSTART,
+                           "--model.quantization", "nvfp5"], cwd=tmp_path, capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 2
+    assert done.stderr.splitlines() == [
+        "error: Parser key \"model.quantization\": Expected a typing.Literal['bf16', 'nf4', 'nvfp4']. "
+        "Got value: nvfp5  (--help lists the options)"]
