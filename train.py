@@ -21,8 +21,14 @@ from lightning_modules.checkpointing import TrainingDiverged
 from lightning_modules.data import PromptDataModule
 from lightning_modules.evaluation import claim_unused_path
 from lightning_modules.qerl_module import QeRLModule
+from qerl import drop_log_lines
 from qerl.rollout.base import NonFiniteLogits
 from qerl.settings_checks import require_full_precision
+
+# Two lines on every fit that say nothing about the run (installed once, at import): Lightning's advert
+# for its cloud logger, and the FutureWarning torch >= 2.13 raises on Lightning's own use of `LeafSpec`.
+drop_log_lines("lightning.pytorch.utilities.rank_zero", "💡 Tip: For seamless cloud logging")
+warnings.filterwarnings("ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated", category=FutureWarning)
 
 
 _UNION_LIST = re.compile(r"Does not validate against any of the Union subtypes Subtypes: .*? Errors: - ")
@@ -351,16 +357,7 @@ class _CurrentStderrHandler(logging.StreamHandler):
         pass
 
 
-def _quiet_third_party_noise() -> None:
-    """Two lines on every fit that say nothing about the run: Lightning's advert for its cloud logger,
-    and the FutureWarning torch >= 2.13 raises on Lightning's own use of pytree's ``LeafSpec``."""
-    logging.getLogger("lightning.pytorch.utilities.rank_zero").addFilter(
-        lambda record: not record.getMessage().startswith("💡 Tip: For seamless cloud logging"))
-    warnings.filterwarnings("ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated", category=FutureWarning)
-
-
 def main(args=None, run: bool = True) -> LightningCLI:
-    _quiet_third_party_noise()
     # our INFO lines (base weight bytes and trainable parameters, data set sizes, vLLM start) on stderr
     for name in ("qerl", "lightning_modules", "callbacks"):
         logger = logging.getLogger(name)
