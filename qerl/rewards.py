@@ -35,6 +35,7 @@ from typing import Any, NamedTuple
 
 import math_verify
 
+from qerl import drop_log_lines
 from qerl.answers import (  # noqa: F401
     _ZERO_WIDTH, _boxed_spans, answer_tag_content, boxed_answers, clean_hash_answer, extract_answer, extract_boxed,
     extract_gsm8k_gold, final_hash_line, hash_answer, hash_line_hedges, is_long_integer, long_integers_equal,
@@ -56,16 +57,10 @@ _long_integer_warned = [False]  # (once per process: a data set's long golds wou
 # ----------------------------------------------------------------------------------------------
 
 
-class _DropTimeoutDisabledWarning(logging.Filter):
-    """math-verify warns once that its timeout is disabled; we disable it on purpose (see
-    `qerl.deadline`), so the message would only mislead."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        return not record.getMessage().startswith("Timeout is disabled")
-
-
+# math-verify warns once that its timeout is disabled; we disable it on purpose (see `qerl.deadline`),
+# so the message would only mislead.
 for _name in ("math_verify.parser", "math_verify.grader"):
-    logging.getLogger(_name).addFilter(_DropTimeoutDisabledWarning())
+    drop_log_lines(_name, "Timeout is disabled")
 
 # ----------------------------------------------------------------------------------------------
 # Reward functions

@@ -1223,3 +1223,15 @@ def test_float_rounding_follows_the_places_written():
 
     assert float_rounding("72", "\\frac{1}{3}") == 6 and float_rounding("0.5", "3.25") == 6
     assert float_rounding(".0000672", "0.5") == 7 and float_rounding("1", "x = 0.12345678") == 8
+
+
+def test_math_verify_timeout_disabled_notice_is_dropped_and_its_other_lines_pass(caplog):
+    """qerl.rewards disables math-verify's own timeout on purpose (qerl.deadline bounds it instead), so
+    the notice that the timeout is disabled would only mislead; math-verify's other records still show
+    (the filter is installed when ``rewards_module`` is imported)."""
+    for name in ("math_verify.parser", "math_verify.grader"):
+        caplog.clear()
+        with caplog.at_level("WARNING"):
+            logging.getLogger(name).warning("Timeout is disabled as timeout_seconds is <= 0")
+            logging.getLogger(name).warning("could not parse the gold")
+        assert [r.getMessage() for r in caplog.records] == ["could not parse the gold"], name
