@@ -203,8 +203,8 @@ def check_ckpt_path(subcommand: str, ckpt_path: str | None, dirs: list[str]) -> 
             warnings.filterwarnings("ignore", message=r'\.fit\(ckpt_path="last"\) is set, but there is no last checkpoint')
             return
         elif not dirs:  # Lightning would find no `last` and evaluate the untrained model
-            raise ValueError(f"--ckpt_path last: no ModelCheckpoint with a dirpath in the config, so nothing says "
-                             f"where `last` is: name the .ckpt file (or add the run's ModelCheckpoint)")
+            raise ValueError("--ckpt_path last: no ModelCheckpoint with a dirpath in the config, so nothing says "
+                             "where `last` is: name the .ckpt file (or add the run's ModelCheckpoint)")
         else:
             raise ValueError(f"--ckpt_path last: no last*.ckpt in {', '.join(dirs)}: nothing to {subcommand} "
                              "(leave --ckpt_path out to evaluate the configured model)")

@@ -30,6 +30,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from lightning_modules.qerl_module import QeRLModule, forward_window  # noqa: E402
+from qerl.model import enable_activation_checkpointing  # noqa: E402
 from rollout_hf import build  # noqa: E402
 
 
@@ -75,8 +76,7 @@ def main():
     shape = args.shape or ("7b" if device == "cuda" else "small")
     quantization = args.quantization or ("nvfp4" if device == "cuda" else "bf16")
     model, vocab = build(shape, quantization, device)
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    model.enable_input_require_grads()
+    enable_activation_checkpointing(model)
     model.train()
     module = QeRLModule(model="tiny-qwen2", quantization=quantization)   # completion_logprobs on this model
     module.model = model

@@ -56,6 +56,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from qerl.attention_masks import left_padding_mask, without_cudnn_attention  # noqa: E402
 from qerl.logprobs import selective_log_softmax  # noqa: E402
+from qerl.model import enable_activation_checkpointing  # noqa: E402
 from qerl.quantize import base_weight_bytes  # noqa: E402
 from qerl.rollout import SamplingSettings  # noqa: E402
 from qerl.rollout.fast_linears import fused_base_projections  # noqa: E402
@@ -68,8 +69,7 @@ GB = 1024 ** 3
 def build(shape: str, arm: str, device: str, lora_compute: str):
     """``rollout_hf.build``'s random model (LoRA r32, non-zero B) with gradient checkpointing, as QeRLModule."""
     model, vocab = build_random(shape, arm, device, lora_compute)
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    model.enable_input_require_grads()
+    enable_activation_checkpointing(model)
     return model, vocab
 
 

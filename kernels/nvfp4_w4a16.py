@@ -94,7 +94,6 @@ def _decode_tile(q_ptr, s_ptr, rn, g0, N, KG, BR: tl.constexpr, BG: tl.constexpr
     keep two accumulators (grad-input). Rows >= N and groups >= KG (= K // 16) read as 0.
     """
     rg = g0 + tl.arange(0, BG)
-    rb = tl.arange(0, 8)
     row = rn.to(tl.int64)
     # q is loaded as a 2-D [BR, BG*8] tile (one contiguous run of BG*8 bytes per row) so that the
     # loads coalesce along the row; a 3-D [BR, BG, 8] pointer tensor made Triton give each thread

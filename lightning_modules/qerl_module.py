@@ -43,7 +43,7 @@ from lightning_modules.settings import LIGHTNING_ADVICE_THAT_DOES_NOT_APPLY, lr_
 from lightning_modules.settings import LossSettings, OptimizerSettings  # noqa: F401  (the CLI's model.loss, .optimizer)
 from lightning_modules.evaluation import EvalSettings, EvaluationMixin, claim_unused_path  # noqa: F401  (EvalSettings: the CLI's model.eval)
 from lightning_modules.step_metrics import StepMetricsMixin
-from qerl.model import LoraSettings, load_policy, load_tokenizer
+from qerl.model import LoraSettings, enable_activation_checkpointing, load_policy, load_tokenizer
 from qerl.norms import base_model_only
 from qerl.rollout import Rollout
 from qerl.seeding import resolve_seed
@@ -159,8 +159,7 @@ class QeRLModule(PolicyForwardMixin, ResumeMixin, EvaluationMixin, StepMetricsMi
 
             load_adapter_into(self.model, self.adapter_path)
         if self.gradient_checkpointing:
-            self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-            self.model.enable_input_require_grads()
+            enable_activation_checkpointing(self.model)
         # DDP: every rank builds the same frozen base from `model`; broadcasting it is wasted traffic and
         # NVFP4 tensors cannot be flattened into DDP's buckets. Only trainable tensors are synced.
         frozen = [f"model.{n}" for n, p in self.model.named_parameters() if not p.requires_grad]

@@ -290,6 +290,18 @@ def add_lora(model: PreTrainedModel, settings: LoraSettings) -> nn.Module:
     return peft_model
 
 
+def enable_activation_checkpointing(model: nn.Module) -> None:
+    """Recompute each decoder layer's activations in backward (non-reentrant), with the input embeddings
+    requiring grad so that gradients reach the LoRA weights through the frozen layers. transformers
+    renamed ``gradient_checkpointing_enable`` (deprecated, removed in v6) to
+    ``activation_checkpointing_enable``; the image's 5.17 may predate the new name."""
+    if hasattr(model, "activation_checkpointing_enable"):  # (a PeftModel forwards it to the base model)
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.enable_input_require_grads()
+
+
 def _check_every_target_matched(peft_model: nn.Module, targets: list[str]) -> None:
     """peft refuses a target list none of whose names matches, but drops a misspelled name beside a
     matching one (``[q_proj, donw_proj]`` trains q only), and the saved adapter_config.json repeats the typo."""

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from qerl.model import LoraSettings, load_policy
+from qerl.model import LoraSettings, enable_activation_checkpointing, load_policy
 from qerl.nvfp4 import NVFP4WeightTensor
 import qerl.nvfp4 as nvfp4
 from qerl.rollout.fast_linears import fused_base_projections, fused_projections, lean_lora_forward, lora_state
@@ -165,8 +165,7 @@ def _loss_and_grads(model, block, checkpointing: bool = False, ids: torch.Tensor
     apply = nvfp4.NVFP4Linear.apply
     model.train()
     if checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        model.enable_input_require_grads()
+        enable_activation_checkpointing(model)
     model.zero_grad(set_to_none=True)
     try:
         nvfp4.NVFP4Linear.apply = lambda *a: launches.append(1) or apply(*a)

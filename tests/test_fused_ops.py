@@ -87,7 +87,7 @@ _INTERP_SCRIPT = _COMMON + textwrap.dedent("""
     import sys
     sys.path.insert(0, {root!r})
     from qerl.aqn import attach_noisy_norms
-    from qerl.model import LoraSettings, load_policy
+    from qerl.model import LoraSettings, enable_activation_checkpointing, load_policy
     from qerl.noisy_norms import _NoisyForward
     from qerl.rollout import SamplingSettings
     from qerl.fused_ops import fused_ops
@@ -128,8 +128,7 @@ _INTERP_SCRIPT = _COMMON + textwrap.dedent("""
     # training: forward + backward with gradient checkpointing (the recompute runs inside the block)
     # and AQN on; every LoRA gradient as with transformers' eager ops
     model.train()
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={{"use_reentrant": False}})
-    model.enable_input_require_grads()
+    enable_activation_checkpointing(model)
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "lora_B" in name:
@@ -271,13 +270,12 @@ def test_gpu_training_gradients_with_and_without_fused_ops():
 
     from qerl.aqn import attach_noisy_norms
     from qerl.fused_ops import fused_ops
-    from qerl.model import LoraSettings, load_policy
+    from qerl.model import LoraSettings, enable_activation_checkpointing, load_policy
 
     model, _ = load_policy("tiny-qwen2", "nvfp4", LoraSettings(rank=8), dtype="bf16", device="cuda")
     attach_noisy_norms(model).set_noise(0.05, seed=0, step=1)
     model.train()
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    model.enable_input_require_grads()
+    enable_activation_checkpointing(model)
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "lora_B" in name:

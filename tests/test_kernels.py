@@ -351,7 +351,6 @@ def _skinny_configs():   # (BN, warps, split): every knob, incl. forced cross-CT
 def _ptxas_report(source: str, arch: str) -> str:
     """``nvcc -cubin -Xptxas -v`` on a kernel source (skips without nvcc); ptxas' report."""
     import shutil
-    import subprocess
     import tempfile
     nvcc = shutil.which("nvcc")
     if nvcc is None:

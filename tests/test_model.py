@@ -1,5 +1,6 @@
 """Model loading, layer-by-layer NVFP4 quantization and LoRA on tiny random Qwen2/Llama models."""
 
+import warnings
 from types import SimpleNamespace
 
 import pytest
@@ -8,7 +9,7 @@ import torch.nn.functional as F
 from peft import PeftModel
 from peft.tuners.lora import Linear as LoraLinear
 
-from qerl.model import LoraSettings, load_base_model, load_policy
+from qerl.model import LoraSettings, enable_activation_checkpointing, load_base_model, load_policy
 from qerl.nvfp4 import NVFP4WeightTensor
 from qerl.quantize import DECODER_LINEARS, base_weight_bytes, count_parameters, quantize_decoder_linears
 
@@ -47,6 +48,36 @@ def test_only_lora_params_get_gradients(arch):
         if n in base_before:
             assert torch.equal(p, base_before[n]), n
 
+
+def test_activation_checkpointing_recomputes_layers_and_keeps_the_lora_gradients():
+    """``enable_activation_checkpointing`` on the peft model: each decoder layer's MLP runs again in
+    backward, the LoRA gradients are those of the plain backward, and transformers' deprecated
+    ``gradient_checkpointing_enable`` is not what turned it on (no FutureWarning)."""
+    model, _ = load_policy("tiny-qwen2", "nvfp4", LoraSettings(rank=4, alpha=8), dtype="fp32")
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if "lora_B" in n:
+                p.normal_(std=0.02)  # (peft starts B at 0: A's gradient would be 0 either way)
+    model.train()
+    calls = []
+    for layer in model.base_model.model.model.layers:  # (a pre-hook: the recompute stops early, once it
+        layer.mlp.register_forward_pre_hook(lambda *_: calls.append(1))  # has what backward needs)
+
+    def grads_and_mlp_calls():
+        calls.clear()
+        model.zero_grad(set_to_none=True)
+        model(_ids(), labels=_ids()).loss.backward()
+        return {n: p.grad for n, p in model.named_parameters() if p.requires_grad}, len(calls)
+
+    plain, plain_calls = grads_and_mlp_calls()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FutureWarning)
+        enable_activation_checkpointing(model)
+    checkpointed, checkpointed_calls = grads_and_mlp_calls()
+    assert checkpointed_calls == 2 * plain_calls > 0  # forward + the recompute in backward
+    assert plain.keys() == checkpointed.keys() and all(g is not None for g in checkpointed.values())
+    for n in plain:
+        torch.testing.assert_close(checkpointed[n], plain[n], rtol=1e-5, atol=1e-7, msg=n)
 
 def test_trainable_norms_option():
     model, _ = load_policy("tiny-qwen2", "nvfp4", LoraSettings(rank=4, trainable_norms=True), dtype="fp32")

@@ -24,6 +24,7 @@ from torch.utils.data import DataLoader
 
 from lightning_modules.qerl_module import LossSettings, OptimizerSettings, QeRLModule
 from qerl.aqn import attach_noisy_norms
+from qerl.model import enable_activation_checkpointing
 from qerl.rollout import Rollout
 
 N, G, T, P = 8, 4, 6, 5  # completions, group size, completion length (= max_new_tokens), prompt length
@@ -48,7 +49,9 @@ def build_policy() -> torch.nn.Module:
     non-zero B gives every LoRA parameter a gradient and the adapter-off KL reference something
     to differ from."""
     module = QeRLModule(model="tiny-qwen2", quantization="nvfp4", dtype="fp32", seed=0)  # not PL_GLOBAL_SEED
-    module.configure_model()
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)  # peft draws LoRA A from the global generator (module-scoped: before conftest's seeding)
+        module.configure_model()
     gen = torch.Generator().manual_seed(0)
     with torch.no_grad():
         for name, p in module.model.named_parameters():
@@ -124,7 +127,7 @@ def fit(policy, rollout, root, batches: int = 1, max_grad_norm: float = 0.2, mod
                           optimizer=optimizer, **(module_kw or {}))
     module.model = copy.deepcopy(policy)  # configure_model keeps a model that is already there
     if module.gradient_checkpointing:
-        module.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        enable_activation_checkpointing(module.model)
     if rollout_noise > 0:
         module.noisy_norms, module.aqn_apply_to = attach_noisy_norms(module.model), noise_apply_to
         module.noisy_norms.set_noise(rollout_noise, seed=1, step=0)
@@ -515,7 +518,8 @@ def test_policy_ratio_is_one_on_policy_and_moves_with_later_updates(policy, mism
     assert on_policy.logged["train/policy_ratio/mean"] == 1.0
     two = fit(policy, mismatched, tmp_path / "k2", max_grad_norm=1e9, updates_per_rollout=2)
     ratio = two.logged["train/policy_ratio/mean"]
-    assert ratio != 1.0 and abs(ratio - 1.0) < 0.5, ratio
+    # (1.48 with this seed; 1.27 to 1.74 over other LoRA A draws at this LR: the bound catches a blow-up)
+    assert ratio != 1.0 and abs(ratio - 1.0) < 1.0, ratio
 
 
 def test_reference_pass_runs_without_noise_while_training_runs_with_it(policy, mismatched, tmp_path, monkeypatch):
