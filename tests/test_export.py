@@ -406,7 +406,8 @@ def test_nf4_model_exports_dequantized(tmp_path):
 
 def test_cli(tmp_path):
     """``python -m qerl.export`` (subprocess), and the bf16 + adapter path in process."""
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    # ROOT first, the caller's PYTHONPATH after it (the GPU machine's packages live there)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)}
     run = subprocess.run([sys.executable, "-m", "qerl.export", "--model", "tiny-qwen2", "--format", "nvfp4",
                           "--out", str(tmp_path / "nvfp4")], cwd=ROOT, env=env, capture_output=True, text=True,
                          timeout=120)

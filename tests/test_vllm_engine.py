@@ -545,15 +545,21 @@ def test_torchrun_env_for_vllm_under_ddp(tmp_path, monkeypatch):
     from qerl.rollout.vllm import _torchrun_env
     monkeypatch.delenv("RANK", raising=False)
     monkeypatch.setenv("WORLD_SIZE", "7")
-    with _torchrun_env():                      # no process group: nothing to do
-        assert "RANK" not in os.environ and os.environ["WORLD_SIZE"] == "7"
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
+    with monkeypatch.context() as m:           # no process group: nothing to do
+        m.setattr(dist, "is_initialized", lambda: False)
+        with _torchrun_env():
+            assert "RANK" not in os.environ and os.environ["WORLD_SIZE"] == "7"
+    # a real vLLM earlier in this process (the GPU test) leaves its own world-1 group behind
+    ours = not dist.is_initialized()
+    if ours:
+        dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
     try:
         with _torchrun_env():
             assert os.environ["RANK"] == "0" and os.environ["WORLD_SIZE"] == "1"
         assert "RANK" not in os.environ and os.environ["WORLD_SIZE"] == "7"
     finally:
-        dist.destroy_process_group()
+        if ours:
+            dist.destroy_process_group()
 
 
 def test_tensor_parallel_vllm_is_refused_in_one_line():
