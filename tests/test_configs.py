@@ -66,6 +66,17 @@ VLLM_CONFIGS = [p for p in CONFIGS if "engine: vllm" in p.read_text()]
 def test_vllm_recipe_parses_without_importing_vllm(path, tmp_path, monkeypatch):
     import sys
 
+    class ImportRecorder:  # sees every attempt to import vllm, installed or not (CI has no vLLM)
+        tried: list[str] = []
+
+        def find_spec(self, name, path=None, target=None):
+            if name.split(".")[0] == "vllm":
+                self.tried.append(name)
+            return None  # the normal finders go on
+
+    for name in [m for m in sys.modules if m.split(".")[0] == "vllm"]:  # a real vLLM loaded by an earlier test
+        monkeypatch.delitem(sys.modules, name)
+    monkeypatch.setattr(sys, "meta_path", [ImportRecorder(), *sys.meta_path])
     monkeypatch.chdir(tmp_path)
     cli = main(["--config", str(path), "--trainer.accelerator", "cpu"], run=False)
     rollout = next(cb for cb in cli.trainer.callbacks if type(cb).__name__ == "RolloutCallback")
@@ -76,7 +87,7 @@ def test_vllm_recipe_parses_without_importing_vllm(path, tmp_path, monkeypatch):
     assert rollout.vllm.max_model_len >= longest + max(rollout.sampling.max_new_tokens, cli.model.eval_settings.max_new_tokens)
     aqn = next(cb for cb in cli.trainer.callbacks if type(cb).__name__ == "AQNCallback")
     assert aqn.scale_precision == "bf16"  # noise survives vLLM's bf16 norms
-    assert "vllm" not in sys.modules
+    assert not ImportRecorder.tried and "vllm" not in sys.modules
 
 
 def test_nested_config_errors_are_one_short_line(tmp_path, capsys):
